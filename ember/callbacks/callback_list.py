@@ -1,0 +1,156 @@
+"""`CallbackList`: the one object the loops call hooks on.
+
+The module is the first member, then the callbacks in list order. For each hook
+the list keeps only the members that actually override it, so a hook nobody
+implements costs one empty loop. Every hook has its own typed method here, so
+each call site in the loops reads like a normal method call.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ember.callbacks.callback import HOOK_NAMES, Callback
+
+if TYPE_CHECKING:
+    from torch import Tensor
+    from torch.optim import Optimizer
+
+    from ember.modules.module import TrainingModule
+    from ember.trainer.trainer import Trainer
+
+
+def check_hook_names(obj: object, base: type) -> None:
+    """Raise if `obj`'s class defines an ``on_*`` method that is not a hook.
+
+    Only methods defined below `base` in the MRO are checked, so the framework's
+    own classes never trip it.
+    """
+    for klass in type(obj).__mro__:
+        if klass is base or not issubclass(klass, base):
+            continue
+        for name, value in vars(klass).items():
+            if name.startswith("on_") and callable(value) and name not in HOOK_NAMES:
+                close = difflib.get_close_matches(name, HOOK_NAMES, n=1)
+                hint = f"did you mean '{close[0]}'?" if close else "see docs/hooks.md for the list of hooks."
+                raise AttributeError(
+                    f"{klass.__qualname__}.{name} is not an ember hook and would never be called; {hint}"
+                )
+
+
+def _overrides(obj: object, base: type, name: str) -> bool:
+    return getattr(type(obj), name, None) is not getattr(base, name, None)
+
+
+class CallbackList:
+    """Calls a hook on the module first, then on each callback in order."""
+
+    def __init__(self, trainer: Trainer, module: TrainingModule, callbacks: Sequence[Callback]) -> None:
+        from ember.modules.module import TrainingModule
+
+        check_hook_names(module, TrainingModule)
+        for callback in callbacks:
+            if not isinstance(callback, Callback):
+                raise TypeError(
+                    f"callbacks must be ember.Callback instances; got {type(callback).__qualname__}. "
+                    "Subclass ember.Callback."
+                )
+            check_hook_names(callback, Callback)
+        self.callbacks = list(callbacks)
+        self._table: dict[str, list[Callable[..., Any]]] = {}
+        for name in HOOK_NAMES:
+            fns: list[Callable[..., Any]] = []
+            if _overrides(module, TrainingModule, name):
+                fns.append(getattr(module, name))
+            fns.extend(
+                functools.partial(getattr(cb, name), trainer, module)
+                for cb in callbacks
+                if _overrides(cb, Callback, name)
+            )
+            self._table[name] = fns
+
+    def _call(self, name: str, *args: Any) -> None:
+        for fn in self._table[name]:
+            fn(*args)
+
+    def setup(self, stage: str) -> None:
+        self._call("setup", stage)
+
+    def teardown(self, stage: str) -> None:
+        self._call("teardown", stage)
+
+    def on_fit_start(self) -> None:
+        self._call("on_fit_start")
+
+    def on_fit_end(self) -> None:
+        self._call("on_fit_end")
+
+    def on_sanity_check_start(self) -> None:
+        self._call("on_sanity_check_start")
+
+    def on_sanity_check_end(self) -> None:
+        self._call("on_sanity_check_end")
+
+    def on_train_start(self) -> None:
+        self._call("on_train_start")
+
+    def on_train_end(self) -> None:
+        self._call("on_train_end")
+
+    def on_train_epoch_start(self) -> None:
+        self._call("on_train_epoch_start")
+
+    def on_train_epoch_end(self) -> None:
+        self._call("on_train_epoch_end")
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._call("on_train_batch_start", batch, batch_idx)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._call("on_train_batch_end", outputs, batch, batch_idx)
+
+    def on_before_backward(self, loss: Tensor) -> None:
+        self._call("on_before_backward", loss)
+
+    def on_after_backward(self) -> None:
+        self._call("on_after_backward")
+
+    def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
+        self._call("on_before_optimizer_step", optimizer)
+
+    def on_before_zero_grad(self, optimizer: Optimizer) -> None:
+        self._call("on_before_zero_grad", optimizer)
+
+    # Evaluation hooks are shared by validation, test and predict: the stage
+    # name picks the hook, e.g. stage "test" calls on_test_batch_end.
+    def on_eval_start(self, stage: str) -> None:
+        self._call(f"on_{stage}_start")
+
+    def on_eval_end(self, stage: str) -> None:
+        self._call(f"on_{stage}_end")
+
+    def on_eval_epoch_start(self, stage: str) -> None:
+        self._call(f"on_{stage}_epoch_start")
+
+    def on_eval_epoch_end(self, stage: str) -> None:
+        self._call(f"on_{stage}_epoch_end")
+
+    def on_eval_batch_start(self, stage: str, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
+        self._call(f"on_{stage}_batch_start", batch, batch_idx, dataloader_idx)
+
+    def on_eval_batch_end(
+        self, stage: str, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int
+    ) -> None:
+        self._call(f"on_{stage}_batch_end", outputs, batch, batch_idx, dataloader_idx)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._call("on_save_checkpoint", checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._call("on_load_checkpoint", checkpoint)
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._call("on_exception", exception)

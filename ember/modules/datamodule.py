@@ -1,0 +1,50 @@
+"""`DataModule`: the data side of a run, kept apart from the model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DataModule:
+    """Bundles dataset preparation and the dataloaders of every stage.
+
+    Override `setup` to build datasets (it is called with the stage: "fit",
+    "validate", "test" or "predict") and the ``*_dataloader`` methods to
+    return DataLoaders (or lists of them for validation/test/predict). A stage
+    whose dataloader method is not overridden has no data. `state_dict` /
+    `load_state_dict` carry any state you want in checkpoints.
+    """
+
+    def setup(self, stage: str) -> None:
+        """Build datasets for `stage` ("fit", "validate", "test" or "predict")."""
+
+    def teardown(self, stage: str) -> None:
+        """Release what `setup` built."""
+
+    def train_dataloader(self) -> Any:
+        """The training DataLoader."""
+        raise NotImplementedError(f"{type(self).__qualname__} does not define train_dataloader()")
+
+    def val_dataloader(self) -> Any:
+        """The validation DataLoader, or a list of them."""
+        raise NotImplementedError(f"{type(self).__qualname__} does not define val_dataloader()")
+
+    def test_dataloader(self) -> Any:
+        """The test DataLoader, or a list of them."""
+        raise NotImplementedError(f"{type(self).__qualname__} does not define test_dataloader()")
+
+    def predict_dataloader(self) -> Any:
+        """The predict DataLoader, or a list of them."""
+        raise NotImplementedError(f"{type(self).__qualname__} does not define predict_dataloader()")
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to save in checkpoints (empty by default)."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the state returned by `state_dict`."""
+
+    def has_dataloader(self, stage: str) -> bool:
+        """Whether the ``<stage>_dataloader`` method is overridden ("train", "val", "test", "predict")."""
+        name = f"{stage}_dataloader"
+        return getattr(type(self), name) is not getattr(DataModule, name)

@@ -1,0 +1,214 @@
+"""What `TrainingModule.log` records: step values and epoch aggregates, kept as tensors.
+
+Nothing here calls `.item()`: values stay on their device until a logger or the
+progress bar asks for floats through `to_floats`, which pays one host sync for a
+whole dictionary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+REDUCE_FX = ("mean", "sum", "max", "min")
+DATALOADER_SUFFIX = "/dataloader_idx_"
+
+ReduceFn = Callable[[Tensor, str], Tensor]
+
+
+def to_floats(values: Mapping[str, Tensor | float]) -> dict[str, float]:
+    """Convert a dict of scalar tensors to Python floats with a single host sync."""
+    tensors = [(k, v) for k, v in values.items() if isinstance(v, Tensor)]
+    out = {k: float(v) for k, v in values.items() if not isinstance(v, Tensor)}
+    if tensors:
+        stacked = torch.stack([v.detach().reshape(()).to(torch.float64, copy=False).cpu() for _, v in tensors])
+        out.update(zip((k for k, _ in tensors), stacked.tolist(), strict=True))
+    return out
+
+
+def infer_batch_size(batch: Any) -> int:
+    """Size of the first dimension of the first tensor found in `batch` (1 if none)."""
+    if isinstance(batch, Tensor):
+        return int(batch.shape[0]) if batch.ndim > 0 else 1
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = infer_batch_size(item)
+            if size > 0:
+                return size
+        return 1
+    return 1
+
+
+@dataclass
+class _Entry:
+    """One logged name within one epoch of one stage."""
+
+    on_step: bool
+    on_epoch: bool
+    prog_bar: bool
+    reduce_fx: str
+    sync_dist: bool
+    metric: Any = None  # a torchmetrics.Metric when one was logged
+    total: Tensor | None = None
+    weight: int = 0
+
+    def accumulate(self, value: Tensor, batch_size: int) -> None:
+        value = value.detach()
+        if self.total is None:
+            dtype = value.dtype if value.is_floating_point() else torch.float32
+            if self.reduce_fx in ("max", "min"):
+                self.total = value.to(dtype, copy=True)
+            else:
+                self.total = torch.zeros((), dtype=dtype, device=value.device)
+        if self.reduce_fx == "mean":
+            self.total.add_(value, alpha=batch_size)
+        elif self.reduce_fx == "sum":
+            self.total.add_(value)
+        elif self.reduce_fx == "max":
+            torch.maximum(self.total, value, out=self.total)
+        else:
+            torch.minimum(self.total, value, out=self.total)
+        self.weight += batch_size
+
+    def compute(self, reduce: ReduceFn) -> Tensor | None:
+        if self.metric is not None:
+            value: Tensor = self.metric.compute()  # torchmetrics syncs across ranks itself
+            self.metric.reset()
+            return value
+        if self.total is None:
+            return None
+        total = reduce(self.total, self.reduce_fx) if self.sync_dist else self.total
+        if self.reduce_fx == "mean":
+            weight = self.weight
+            if self.sync_dist:
+                weight = int(reduce(torch.tensor(float(weight), device=total.device), "sum"))
+            return total / max(weight, 1)
+        return total.clone()
+
+
+@dataclass
+class MetricCollector:
+    """Holds the values logged with `self.log` for the stage that is running.
+
+    The loops tell it which stage runs (`start_epoch`), which batch is current
+    (`current_batch`, for batch-size inference) and which dataloader
+    (`suffix`); `TrainingModule.log` calls `log`.
+    """
+
+    reduce: ReduceFn = field(default=lambda t, _fx: t)
+    stage: str = "train"
+    suffix: str = ""
+    current_batch: Any = None
+    step_values: dict[str, Tensor] = field(default_factory=dict)
+    prog_bar_names: set[str] = field(default_factory=set)
+    _entries: dict[str, _Entry] = field(default_factory=dict)
+    _batch_size: int | None = None
+
+    def start_epoch(self, stage: str) -> None:
+        """Forget everything logged so far and start collecting for `stage`."""
+        self.stage = stage
+        self.suffix = ""
+        self.step_values = {}
+        self._entries = {}
+
+    def start_batch(self, batch: Any) -> None:
+        self.current_batch = batch
+        self._batch_size = None
+
+    def log(
+        self,
+        name: str,
+        value: Any,
+        *,
+        on_step: bool | None,
+        on_epoch: bool | None,
+        prog_bar: bool,
+        reduce_fx: str,
+        sync_dist: bool,
+        batch_size: int | None,
+    ) -> None:
+        is_train = self.stage == "train"
+        on_step = is_train if on_step is None else on_step
+        on_epoch = (not is_train) if on_epoch is None else on_epoch
+        key = name + self.suffix
+        entry = self._entries.get(key)
+        if entry is None:
+            if reduce_fx not in REDUCE_FX:
+                raise ValueError(f"self.log({name!r}): reduce_fx={reduce_fx!r} is not one of {REDUCE_FX}")
+            entry = self._entries[key] = _Entry(on_step, on_epoch, prog_bar, reduce_fx, sync_dist)
+            if prog_bar:
+                both = on_step and on_epoch
+                for tag in ("_step", "_epoch") if both else ("",):
+                    self.prog_bar_names.add(_insert_before_suffix(key, tag, self.suffix))
+        if _is_metric(value):
+            entry.metric = value
+            step_value = value._forward_cache if on_step else None
+            if isinstance(step_value, Tensor) and step_value.ndim == 0:
+                self._set_step(key, step_value, on_epoch)
+            return
+        tensor = _as_scalar_tensor(name, value)
+        if on_step:
+            self._set_step(key, tensor.detach(), on_epoch)
+        if on_epoch:
+            if batch_size is None:
+                batch_size = self._current_batch_size()
+            entry.accumulate(tensor, batch_size)
+
+    def _set_step(self, key: str, value: Tensor, also_epoch: bool) -> None:
+        self.step_values[_insert_before_suffix(key, "_step", self.suffix) if also_epoch else key] = value
+
+    def _current_batch_size(self) -> int:
+        if self._batch_size is None:
+            self._batch_size = infer_batch_size(self.current_batch)
+        return self._batch_size
+
+    def epoch_values(self) -> dict[str, Tensor]:
+        """Aggregate every on_epoch entry; metrics are computed and reset."""
+        out: dict[str, Tensor] = {}
+        for key, entry in self._entries.items():
+            if not entry.on_epoch:
+                continue
+            value = entry.compute(self.reduce)
+            if value is not None:
+                name = key
+                if entry.on_step:  # both: the step value is `name_step`, the epoch value `name_epoch`
+                    name = _insert_before_suffix(key, "_epoch", _suffix_of(key))
+                out[name] = value
+        return out
+
+
+def _suffix_of(key: str) -> str:
+    i = key.rfind(DATALOADER_SUFFIX)
+    return key[i:] if i >= 0 else ""
+
+
+def _insert_before_suffix(key: str, tag: str, suffix: str) -> str:
+    if suffix:
+        return key[: -len(suffix)] + tag + suffix
+    return key + tag
+
+
+def _is_metric(value: Any) -> bool:
+    # torchmetrics is a hard dependency, but importing it costs ~0.3 s; check by duck type.
+    return hasattr(value, "compute") and hasattr(value, "reset") and hasattr(value, "_forward_cache")
+
+
+def _as_scalar_tensor(name: str, value: Any) -> Tensor:
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"self.log({name!r}) needs a scalar; got a tensor of shape {tuple(value.shape)}. "
+                "Reduce it first (e.g. .mean())."
+            )
+        return value.reshape(()) if value.ndim else value
+    if isinstance(value, (int, float, bool)):
+        return torch.tensor(float(value))
+    raise TypeError(
+        f"self.log({name!r}) accepts numbers, scalar tensors or torchmetrics Metrics; got {type(value).__qualname__}"
+    )

@@ -1,0 +1,249 @@
+"""`TrainingModule`: the model, its loss, its optimizers and its step hooks.
+
+A module that declares ``self.model`` and ``self.loss_fn`` (and optionally a
+``self.metrics`` dict of torchmetrics) trains on ``(inputs, target)`` batches
+without writing any step: the default steps compute
+``loss_fn(self(inputs), target)`` and log ``train/loss``, ``val/loss``,
+``test/loss`` and ``val/<metric>``/``test/<metric>``. Override any step to do
+something else.
+
+A module may also define any hook of `ember.Callback`, without the
+``trainer, module`` arguments (``def on_train_epoch_end(self): ...``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from ember.modules.hparams import AttributeDict, collect_init_args
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    from ember.modules.optimizers import ManualOptimizer
+    from ember.trainer.trainer import Trainer
+
+
+class TrainingModule(nn.Module):
+    """Base class for everything ember trains. See the module docstring for the defaults."""
+
+    #: Set to False to drive optimizers yourself in `training_step` (GANs and friends).
+    automatic_optimization: bool = True
+    #: An example input (e.g. ``torch.zeros(1, 64)``) used by summaries and exports.
+    example_input_array: Any = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._trainer: Trainer | None = None
+        self._hparams = AttributeDict()
+        self._warned_no_trainer = False
+        # Filled by the trainer in fit for manual optimization.
+        self._manual_optimizers: list[ManualOptimizer] = []
+        self._manual_schedulers: list[LRScheduler | ReduceLROnPlateau] = []
+        self._manual_backward_fn: Callable[[Tensor], None] | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # `self.metrics = {"acc": Accuracy(...)}` becomes a ModuleDict so the
+        # metrics move with the module to its device.
+        if name == "metrics" and isinstance(value, Mapping) and not isinstance(value, nn.ModuleDict):
+            value = nn.ModuleDict(dict(value))
+        super().__setattr__(name, value)
+
+    # --- attachment -----------------------------------------------------------
+    @property
+    def trainer(self) -> Trainer:
+        """The `Trainer` running this module; an error outside fit/validate/test/predict."""
+        if self._trainer is None:
+            raise RuntimeError(
+                f"{type(self).__qualname__} is not attached to a Trainer; "
+                "pass it to trainer.fit/validate/test/predict first."
+            )
+        return self._trainer
+
+    @property
+    def device(self) -> torch.device:
+        """The device the module's parameters live on."""
+        if self._trainer is not None:
+            return self._trainer.strategy.root_device
+        param = next(self.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    @property
+    def global_step(self) -> int:
+        """Number of optimizer steps taken so far (0 outside a trainer)."""
+        return self._trainer.global_step if self._trainer is not None else 0
+
+    @property
+    def current_epoch(self) -> int:
+        """Index of the current training epoch, starting at 0 (0 outside a trainer)."""
+        return self._trainer.current_epoch if self._trainer is not None else 0
+
+    # --- hyperparameters --------------------------------------------------------
+    @property
+    def hparams(self) -> AttributeDict:
+        """Hyperparameters recorded by `save_hyperparameters`."""
+        return self._hparams
+
+    def save_hyperparameters(self, *names: str, ignore: list[str] | tuple[str, ...] = ()) -> None:
+        """Record the arguments of the calling ``__init__`` in `self.hparams`.
+
+        ``self.save_hyperparameters()`` records all of them; pass names to keep
+        only those, or ``ignore=[...]`` to drop some (e.g. a backbone module).
+        The hyperparameters go into checkpoints and to the loggers.
+        """
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        if caller is None:
+            raise RuntimeError("save_hyperparameters() must be called from __init__")
+        args = collect_init_args(caller)
+        unknown = [n for n in (*names, *ignore) if n not in args]
+        if unknown:
+            raise ValueError(
+                f"save_hyperparameters: {unknown} are not arguments of {type(self).__qualname__}.__init__; "
+                f"its arguments are {sorted(args)}"
+            )
+        keep = names or tuple(args)
+        self._hparams.update({k: args[k] for k in keep if k not in ignore})
+
+    # --- logging ------------------------------------------------------------------
+    def log(
+        self,
+        name: str,
+        value: Any,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        prog_bar: bool = False,
+        sync_dist: bool = False,
+        reduce_fx: str = "mean",
+        batch_size: int | None = None,
+    ) -> None:
+        """Record a value: a number, a scalar tensor or a torchmetrics `Metric`.
+
+        Training steps default to ``on_step=True, on_epoch=False``; validation
+        and test steps to ``on_step=False, on_epoch=True``. Epoch values are
+        means weighted by batch size (taken from the batch, or ``batch_size``)
+        unless ``reduce_fx`` is "sum", "max" or "min". A `Metric` is computed
+        and reset at epoch end. When both ``on_step`` and ``on_epoch`` are set
+        the values appear as ``name_step`` and ``name_epoch``. Values stay
+        tensors; nothing here waits for the device.
+        """
+        if self._trainer is None:
+            if not self._warned_no_trainer:
+                warnings.warn(
+                    f"self.log({name!r}) outside a Trainer is ignored", RuntimeWarning, stacklevel=2
+                )
+                self._warned_no_trainer = True
+            return
+        self._trainer.collector.log(
+            name,
+            value,
+            on_step=on_step,
+            on_epoch=on_epoch,
+            prog_bar=prog_bar,
+            reduce_fx=reduce_fx,
+            sync_dist=sync_dist,
+            batch_size=batch_size,
+        )
+
+    def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:
+        """Call `log` for every item of `values` with the same options."""
+        for name, value in values.items():
+            self.log(name, value, **kwargs)
+
+    # --- the model ----------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Defaults to ``self.model(*args)``; override for anything else."""
+        model = self.__dict__.get("_modules", {}).get("model")
+        if model is None:
+            raise NotImplementedError(
+                f"{type(self).__qualname__} has no forward: define forward(), or set self.model"
+            )
+        return model(*args, **kwargs)
+
+    def configure_optimizers(self) -> Any:
+        """Return an optimizer, a list of them, or ``{"optimizer", "lr_scheduler"}`` dicts.
+
+        See `ember.modules.optimizers` for every accepted form.
+        """
+        raise NotImplementedError(
+            f"{type(self).__qualname__} does not define configure_optimizers(); add one, e.g. "
+            "`def configure_optimizers(self): return torch.optim.AdamW(self.parameters(), lr=1e-3)`"
+        )
+
+    # --- default steps --------------------------------------------------------------
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        """Default: ``loss_fn(self(inputs), target)``, logged as ``train/loss``.
+
+        Return a scalar loss tensor, a dict with a ``"loss"`` entry, or None to
+        skip the optimizer step for this batch.
+        """
+        loss, _, _ = self._default_forward(batch, "training_step")
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        """Default: logs ``val/loss`` and every metric in ``self.metrics`` as ``val/<name>``."""
+        return self._default_eval_step("val", batch)
+
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        """Default: logs ``test/loss`` and every metric in ``self.metrics`` as ``test/<name>``."""
+        return self._default_eval_step("test", batch)
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        """Default: ``self(inputs)`` where inputs is the batch or its first element."""
+        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(inputs)
+
+    def _default_eval_step(self, stage: str, batch: Any) -> Tensor:
+        loss, preds, target = self._default_forward(batch, f"{'validation' if stage == 'val' else stage}_step")
+        self.log(f"{stage}/loss", loss, prog_bar=True)
+        metrics = self.__dict__.get("_modules", {}).get("metrics")
+        if metrics is not None:
+            for name, metric in metrics.items():
+                metric.update(preds, target)
+                self.log(f"{stage}/{name}", metric, prog_bar=True)
+        return loss
+
+    def _default_forward(self, batch: Any, step: str) -> tuple[Tensor, Tensor, Any]:
+        modules = self.__dict__.get("_modules", {})
+        if modules.get("model") is None or not callable(getattr(self, "loss_fn", None)):
+            raise NotImplementedError(
+                f"{type(self).__qualname__} does not define {step}(); define it, or set self.model "
+                "and self.loss_fn to use the default step on (inputs, target) batches"
+            )
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            kind = f"a {type(batch).__qualname__}" + (f" of length {len(batch)}" if hasattr(batch, "__len__") else "")
+            raise TypeError(
+                f"the default {step} expects (inputs, target) batches; got {kind}. "
+                f"Override {step}() for other batch formats."
+            )
+        inputs, target = batch
+        preds = self(inputs)
+        return self.loss_fn(preds, target), preds, target
+
+    # --- manual optimization ----------------------------------------------------------
+    def optimizers(self) -> ManualOptimizer | list[ManualOptimizer]:
+        """The optimizers from `configure_optimizers` (one, or a list), for manual optimization."""
+        opts = self._manual_optimizers
+        if not opts:
+            raise RuntimeError("optimizers() is available inside fit, after configure_optimizers ran")
+        return opts[0] if len(opts) == 1 else list(opts)
+
+    def lr_schedulers(self) -> LRScheduler | ReduceLROnPlateau | list[LRScheduler | ReduceLROnPlateau] | None:
+        """The schedulers from `configure_optimizers` (None, one or a list); step them yourself."""
+        scheds = self._manual_schedulers
+        if not scheds:
+            return None
+        return scheds[0] if len(scheds) == 1 else list(scheds)
+
+    def manual_backward(self, loss: Tensor) -> None:
+        """Backward through the trainer (hooks, precision scaling); use instead of ``loss.backward()``."""
+        if self._manual_backward_fn is None:
+            raise RuntimeError("manual_backward() is available inside fit only")
+        self._manual_backward_fn(loss)

@@ -1,0 +1,100 @@
+"""`Strategy`: everything that differs between one device, DDP and FSDP.
+
+The loops call these methods and never ask which strategy runs. Only the
+single-device strategy exists so far.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from ember.strategies.precision import Precision
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) batch to `device`; other values pass through."""
+    if isinstance(batch, Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: move_to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(move_to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(v, device) for v in batch)
+    return batch
+
+
+class Strategy:
+    """One process, one device. The base for every other strategy."""
+
+    def __init__(self, device: torch.device | str = "cpu", precision: Precision | None = None) -> None:
+        self.root_device = torch.device(device)
+        self.precision = precision or Precision()
+
+    # --- topology -----------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    # --- setup --------------------------------------------------------------
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Move (and, in subclasses, wrap) the module; returns what the loops call."""
+        return module.to(self.root_device)
+
+    def batch_to_device(self, batch: Any) -> Any:
+        # On CPU the DataLoader already yields CPU tensors: skip the walk.
+        if self.root_device.type == "cpu":
+            return batch
+        return move_to_device(batch, self.root_device)
+
+    # --- training -----------------------------------------------------------
+    def forward_context(self) -> contextlib.AbstractContextManager[None]:
+        return self.precision.forward_context()
+
+    def backward(self, loss: Tensor) -> None:
+        self.precision.scale_loss(loss).backward()
+
+    def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[None]:
+        """Skip gradient synchronisation while accumulating (nothing to skip on one device)."""
+        return contextlib.nullcontext()
+
+    def clip_gradients(self, module: nn.Module, optimizer: Optimizer, value: float, algorithm: str) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if algorithm == "norm":
+            torch.nn.utils.clip_grad_norm_(params, value)
+        else:
+            torch.nn.utils.clip_grad_value_(params, value)
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Any = None) -> Any:
+        return self.precision.optimizer_step(optimizer, closure)
+
+    # --- collectives (identity on one process) ------------------------------
+    def reduce(self, tensor: Tensor, reduce_fx: str = "mean") -> Tensor:
+        return tensor
+
+    def barrier(self) -> None:
+        pass
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        yield
+
+    def teardown(self) -> None:
+        pass

@@ -1,0 +1,127 @@
+"""The loops: fit (epochs of batches with validation) and evaluation (validate/test/predict).
+
+Every hook call site is in this file or in `optimization.py`; the order is
+documented in docs/hooks.md and pinned by tests/unit/trainer/test_hook_order.py.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ember.trainer.data import EpochPlan, limited
+from ember.trainer.optimization import optimizer_step, run_training_batch, step_schedulers
+
+if TYPE_CHECKING:
+    from ember.modules.module import TrainingModule
+    from ember.trainer.trainer import Trainer
+
+
+def run_fit(trainer: Trainer, module: TrainingModule, train_loader: Any, val_loaders: list[Any]) -> None:
+    hooks = trainer.hooks
+    hooks.on_fit_start()
+    if val_loaders and trainer.num_sanity_val_steps:
+        trainer.sanity_checking = True
+        hooks.on_sanity_check_start()
+        run_evaluation(trainer, module, "validation", val_loaders, [trainer.num_sanity_val_steps] * len(val_loaders))
+        hooks.on_sanity_check_end()
+        trainer.sanity_checking = False
+    module.train()
+    hooks.on_train_start()
+    while not trainer._fit_is_done():
+        run_train_epoch(trainer, module, train_loader, val_loaders)
+    hooks.on_train_end()
+    hooks.on_fit_end()
+
+
+def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_loaders: list[Any]) -> None:
+    hooks, progress, collector = trainer.hooks, trainer.progress, trainer.train_collector
+    plan: EpochPlan = trainer.epoch_plan
+    validates = bool(val_loaders) and (progress.epoch + 1) % trainer.check_val_every_n_epoch == 0
+    collector.start_epoch("train")
+    hooks.on_train_epoch_start()
+    batch_idx, validated = -1, False
+    for batch_idx, batch in enumerate(limited(loader, plan.num_batches)):
+        batch = trainer.strategy.batch_to_device(batch)
+        collector.start_batch(batch)
+        hooks.on_train_batch_start(batch, batch_idx)
+        steps_before = progress.global_step
+        outputs = run_training_batch(
+            trainer, module, batch, batch_idx, plan.window_size(batch_idx), plan.ends_window(batch_idx)
+        )
+        progress.batch_idx = batch_idx + 1
+        hooks.on_train_batch_end(outputs, batch, batch_idx)
+        stepped = progress.global_step != steps_before
+        if stepped and progress.global_step % trainer.log_every_n_steps == 0:
+            trainer._log_metrics(collector.step_values)
+        validated = validates and plan.validates_after(batch_idx)
+        if validated:
+            run_evaluation(trainer, module, "validation", val_loaders, trainer.num_val_batches)
+        if plan.ends_window(batch_idx) and trainer._should_stop_in_epoch():
+            break
+    if trainer._window_has_grads:  # a loader without a length ended inside an accumulation window
+        optimizer_step(trainer, trainer.optimizers[0])
+    if validates and batch_idx >= 0 and not validated:  # stopped mid-epoch: evaluate the final weights
+        run_evaluation(trainer, module, "validation", val_loaders, trainer.num_val_batches)
+    hooks.on_train_epoch_end()
+    if trainer._automatic:
+        step_schedulers(trainer, "epoch")
+    trainer._log_epoch_metrics(collector.epoch_values())
+    progress.epoch += 1
+    progress.batch_idx = 0
+
+
+_STEP_METHOD = {"validation": "validation_step", "test": "test_step", "predict": "predict_step"}
+
+
+def run_evaluation(
+    trainer: Trainer, module: TrainingModule, stage: str, loaders: list[Any], limits: list[float]
+) -> list[Any]:
+    """Run `stage` ("validation", "test" or "predict") over `loaders`.
+
+    Returns the predictions per dataloader for "predict", else one dict of
+    epoch metrics (floats) per dataloader. Train/eval mode of every submodule
+    is restored afterwards, so a backbone frozen in eval mode stays that way.
+    """
+    hooks, collector = trainer.hooks, trainer.eval_collector
+    step_fn = getattr(module, _STEP_METHOD[stage])
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    trainer.collector = collector
+    collector.start_epoch(stage)
+    predictions: list[list[Any]] = [[] for _ in loaders]
+    hooks.on_eval_start(stage)
+    hooks.on_eval_epoch_start(stage)
+    with torch.no_grad():
+        for dl_idx, loader in enumerate(loaders):
+            extra = (dl_idx,) if len(loaders) > 1 else ()
+            collector.suffix = f"/dataloader_idx_{dl_idx}" if extra else ""
+            for batch_idx, batch in enumerate(limited(loader, limits[dl_idx])):
+                batch = trainer.strategy.batch_to_device(batch)
+                collector.start_batch(batch)
+                hooks.on_eval_batch_start(stage, batch, batch_idx, dl_idx)
+                with trainer.strategy.forward_context():
+                    output = step_fn(batch, batch_idx, *extra)
+                if stage == "predict":
+                    predictions[dl_idx].append(output)
+                hooks.on_eval_batch_end(stage, output, batch, batch_idx, dl_idx)
+    hooks.on_eval_epoch_end(stage)
+    results = trainer._finish_eval(collector.epoch_values(), len(loaders))
+    hooks.on_eval_end(stage)
+    trainer.collector = trainer.train_collector
+    for submodule, training in modes:
+        submodule.training = training
+    return predictions if stage == "predict" else results
+
+
+class Clock:
+    """Wall-clock budget for ``max_time`` (monotonic; checked at step boundaries)."""
+
+    def __init__(self, max_time_s: float | None) -> None:
+        self.max_time_s = max_time_s
+        self.start = time.monotonic()
+
+    def expired(self) -> bool:
+        return self.max_time_s is not None and time.monotonic() - self.start >= self.max_time_s

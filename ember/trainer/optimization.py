@@ -1,0 +1,116 @@
+"""One training batch and one optimizer step.
+
+`run_training_batch` is the whole story of a micro-batch: forward under the
+precision context, backward (divided by the accumulation window, without
+gradient sync until the window ends), and at the window's end `optimizer_step`:
+unscale, hooks, clip, step, zero_grad, step-interval schedulers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from ember.modules.module import TrainingModule
+    from ember.trainer.trainer import Trainer
+
+
+def run_training_batch(
+    trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int, window_size: int, ends_window: bool
+) -> Any:
+    """Forward and backward one micro-batch; step the optimizer if it ends a window.
+
+    Returns the step's output with the loss detached (None if the step returned None).
+    """
+    strategy = trainer.strategy
+    if not module.automatic_optimization:
+        with strategy.forward_context():
+            return _detached(module.training_step(batch, batch_idx))
+    with strategy.no_sync(trainer.model, enabled=not ends_window):
+        with strategy.forward_context():
+            output = module.training_step(batch, batch_idx)
+        loss = _loss_of(output)
+        if loss is not None:
+            backward(trainer, loss / window_size if window_size > 1 else loss)
+            trainer._window_has_grads = True
+    if ends_window and trainer._window_has_grads:
+        optimizer_step(trainer, trainer.optimizers[0])
+    return _detached(output)
+
+
+def backward(trainer: Trainer, loss: Tensor) -> None:
+    trainer.hooks.on_before_backward(loss)
+    trainer.strategy.backward(loss)
+    trainer.hooks.on_after_backward()
+
+
+def optimizer_step(trainer: Trainer, optimizer: Optimizer, closure: Any = None) -> None:
+    """Unscale, clip, step, zero the gradients, count the step, step schedulers."""
+    strategy = trainer.strategy
+    strategy.precision.unscale_gradients(optimizer)
+    trainer.hooks.on_before_optimizer_step(optimizer)
+    if trainer.gradient_clip_val is not None and trainer._automatic:
+        strategy.clip_gradients(trainer.model, optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+    strategy.optimizer_step(optimizer, closure)
+    if trainer._automatic:
+        trainer.hooks.on_before_zero_grad(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        trainer._window_has_grads = False
+    trainer.progress.global_step += 1
+    if trainer._automatic:
+        step_schedulers(trainer, "step")
+
+
+def step_schedulers(trainer: Trainer, interval: str) -> None:
+    """Step every scheduler with this interval whose frequency divides the step/epoch count."""
+    count = trainer.progress.global_step if interval == "step" else trainer.progress.epoch + 1
+    for config in trainer.lr_scheduler_configs:
+        if config.interval != interval or count % config.frequency:
+            continue
+        if config.needs_metric:
+            assert config.monitor is not None
+            value = trainer.callback_metrics.get(config.monitor)
+            if value is None:
+                if config.strict:
+                    raise KeyError(
+                        f"ReduceLROnPlateau monitors {config.monitor!r}, which was not logged; "
+                        f"logged metrics: {sorted(trainer.callback_metrics)}"
+                    )
+                continue
+            config.scheduler.step(value)
+        else:
+            config.scheduler.step()
+
+
+def _loss_of(output: Any) -> Tensor | None:
+    if output is None:
+        return None
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, Tensor):
+        raise TypeError(
+            "training_step must return a scalar loss tensor, a dict with a 'loss' tensor, or None; "
+            f"got {type(output).__qualname__}" + (" without a 'loss' tensor" if isinstance(output, Mapping) else "")
+        )
+    if loss.ndim != 0:
+        raise ValueError(
+            f"training_step returned a loss of shape {tuple(loss.shape)}; it must be a scalar. "
+            "Reduce it (e.g. loss.mean()) or use a loss with reduction='mean'."
+        )
+    if not loss.requires_grad:
+        raise RuntimeError(
+            "the loss returned by training_step does not require grad: it was detached or computed "
+            "under torch.no_grad(); return the loss straight from the loss function"
+        )
+    return loss
+
+
+def _detached(output: Any) -> Any:
+    if isinstance(output, Tensor):
+        return {"loss": output.detach()}
+    if isinstance(output, Mapping):
+        return {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in output.items()}
+    return output

@@ -1,0 +1,393 @@
+"""`Trainer`: stores options, then runs fit / validate / test / predict.
+
+`__init__` validates and stores; the work happens in `fit` and friends, whose
+loops live in `ember/trainer/loop.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from ember.callbacks.callback import Callback
+from ember.callbacks.callback_list import CallbackList
+from ember.loggers.logger import Logger
+from ember.modules.datamodule import DataModule
+from ember.modules.logging import MetricCollector, to_floats
+from ember.modules.module import TrainingModule
+from ember.modules.optimizers import ManualOptimizer, SchedulerConfig, parse_optimizers
+from ember.strategies.precision import resolve_precision
+from ember.strategies.strategy import Strategy
+from ember.trainer import loop
+from ember.trainer.data import EpochPlan, check_limit, check_not_empty, num_batches, resolve_loaders
+from ember.trainer.progress import Progress
+
+_ACCELERATORS = ("auto", "cpu", "cuda")
+
+
+class Trainer:
+    """Runs a `TrainingModule`: ``fit``, ``validate``, ``test``, ``predict``.
+
+    Keywords follow Lightning's names where the idea is the same; see
+    docs/trainer.md for each. Stopping: ``max_epochs`` (default 1000 when
+    neither it nor ``max_steps`` is set), ``max_steps`` (optimizer steps),
+    ``max_time`` (seconds, ``timedelta``, ``"DD:HH:MM:SS"`` or a dict of
+    ``timedelta`` fields), or ``trainer.should_stop = True`` from any hook.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_epochs: int | None = None,
+        max_steps: int = -1,
+        max_time: float | str | timedelta | dict[str, int] | None = None,
+        accelerator: str = "auto",
+        devices: int | str = "auto",
+        strategy: str | Strategy = "auto",
+        precision: str | int = "32-true",
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        val_check_interval: float | int = 1.0,
+        check_val_every_n_epoch: int = 1,
+        num_sanity_val_steps: int = 2,
+        limit_train_batches: float | int = 1.0,
+        limit_val_batches: float | int = 1.0,
+        limit_test_batches: float | int = 1.0,
+        limit_predict_batches: float | int = 1.0,
+        log_every_n_steps: int = 50,
+        callbacks: Sequence[Callback] | Callback | None = None,
+        logger: bool | Logger | Sequence[Logger] | None = True,
+        enable_progress_bar: bool = True,
+        enable_model_summary: bool = True,
+        enable_checkpointing: bool = True,
+        default_root_dir: str | os.PathLike[str] = "runs",
+        deterministic: bool = False,
+        fast_dev_run: bool | int = False,
+        detect_anomaly: bool = False,
+    ) -> None:
+        _check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
+        _check_positive_int("log_every_n_steps", log_every_n_steps)
+        _check_positive_int("check_val_every_n_epoch", check_val_every_n_epoch)
+        for name, value in (
+            ("limit_train_batches", limit_train_batches),
+            ("limit_val_batches", limit_val_batches),
+            ("limit_test_batches", limit_test_batches),
+            ("limit_predict_batches", limit_predict_batches),
+        ):
+            check_limit(name, value)
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}; choose 'norm' or 'value'")
+        _check_val_check_interval(val_check_interval)
+        if fast_dev_run:
+            n = 1 if fast_dev_run is True else int(fast_dev_run)
+            _check_positive_int("fast_dev_run", n)
+            max_epochs, max_steps, num_sanity_val_steps, val_check_interval = 1, n, 0, 1.0
+            limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n
+            logger, enable_checkpointing = False, False
+        self.max_epochs = 1000 if max_epochs is None and max_steps == -1 else max_epochs
+        self.max_steps = max_steps
+        self.max_time_s = _parse_max_time(max_time)
+        self.strategy = _resolve_strategy(strategy, accelerator, devices, precision)
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_algorithm = gradient_clip_algorithm
+        self.val_check_interval = val_check_interval
+        self.check_val_every_n_epoch = check_val_every_n_epoch
+        self.num_sanity_val_steps = num_sanity_val_steps
+        self.limit_train_batches = limit_train_batches
+        self.limit_val_batches = limit_val_batches
+        self.limit_test_batches = limit_test_batches
+        self.limit_predict_batches = limit_predict_batches
+        self.log_every_n_steps = log_every_n_steps
+        self.user_callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
+        self._logger_option = logger
+        self.enable_progress_bar = enable_progress_bar
+        self.enable_model_summary = enable_model_summary
+        self.enable_checkpointing = enable_checkpointing
+        self.default_root_dir = os.fspath(default_root_dir)
+        self.deterministic = deterministic
+        self.fast_dev_run = fast_dev_run
+        self.detect_anomaly = detect_anomaly
+
+        self.progress = Progress()
+        self.should_stop = False
+        self.sanity_checking = False
+        self.stage: str | None = None
+        self.loggers: list[Logger] = []
+        self._loggers_resolved = False
+        self.optimizers: list[Optimizer] = []
+        self.lr_scheduler_configs: list[SchedulerConfig] = []
+        self.train_collector = MetricCollector(reduce=self.strategy.reduce)
+        self.eval_collector = MetricCollector(reduce=self.strategy.reduce)
+        self.collector = self.train_collector
+        self.epoch_plan = EpochPlan(0, 1, math.inf)
+        self.num_val_batches: list[float] = []
+        self._epoch_metrics: dict[str, Any] = {}
+        self._logged: dict[str, float] = {}
+        self._window_has_grads = False
+        self._automatic = True
+        self._clock = loop.Clock(None)
+        self._module: TrainingModule | None = None
+        self.model: nn.Module | None = None
+        self.hooks: CallbackList
+
+    # --- public state ---------------------------------------------------------
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far."""
+        return self.progress.global_step
+
+    @property
+    def current_epoch(self) -> int:
+        """Index of the current training epoch (0-based)."""
+        return self.progress.epoch
+
+    @property
+    def callback_metrics(self) -> dict[str, float]:
+        """Latest value of everything logged (step values and epoch aggregates), as floats."""
+        return to_floats({**self._epoch_metrics, **self.train_collector.step_values})
+
+    @property
+    def logged_metrics(self) -> dict[str, float]:
+        """The values most recently sent to the loggers."""
+        return dict(self._logged)
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, float]:
+        """Latest values of the metrics logged with ``prog_bar=True``."""
+        names = self.train_collector.prog_bar_names | self.eval_collector.prog_bar_names
+        merged = {**self._epoch_metrics, **self.train_collector.step_values}
+        return to_floats({k: v for k, v in merged.items() if k in names})
+
+    @property
+    def logger(self) -> Logger | None:
+        """The first logger, or None."""
+        return self.loggers[0] if self.loggers else None
+
+    @property
+    def log_dir(self) -> str:
+        """The run directory: the first logger's folder, else ``default_root_dir``."""
+        path = self.logger.log_dir if self.logger is not None else None
+        return os.fspath(path) if path is not None else self.default_root_dir
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    @property
+    def callbacks(self) -> list[Callback]:
+        """All callbacks of the current run: the user's plus the defaults ember added."""
+        return self.hooks.callbacks
+
+    # --- entry points ---------------------------------------------------------
+    def fit(
+        self,
+        module: TrainingModule,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        datamodule: DataModule | None = None,
+    ) -> None:
+        """Train `module` until a stop condition holds (see the class docstring)."""
+        with self._run("fit", module, datamodule):
+            train = resolve_loaders("train", train_dataloaders, datamodule)
+            if not train:
+                raise ValueError("fit needs training data: pass train_dataloaders or a datamodule with train_dataloader()")
+            if len(train) > 1:
+                raise ValueError("fit takes one training dataloader; combine datasets into one loader")
+            val = resolve_loaders("validation", val_dataloaders, datamodule)
+            check_not_empty("train", train)
+            check_not_empty("validation", val)
+            self.epoch_plan = EpochPlan.build(
+                num_batches(train[0], self.limit_train_batches), self.accumulate_grad_batches, self.val_check_interval
+            )
+            self.num_val_batches = [num_batches(v, self.limit_val_batches) for v in val]
+            self._setup_optimizers(module)
+            self._clock = loop.Clock(self.max_time_s)
+            if self.epoch_plan.num_batches == 0:
+                return  # limit_train_batches=0 disables training
+            loop.run_fit(self, module, train[0], val)
+
+    def validate(
+        self, module: TrainingModule, dataloaders: Any = None, datamodule: DataModule | None = None
+    ) -> list[dict[str, float]]:
+        """Run one validation epoch; returns one dict of epoch metrics per dataloader."""
+        return self._evaluate("validation", module, dataloaders, datamodule, self.limit_val_batches)
+
+    def test(
+        self, module: TrainingModule, dataloaders: Any = None, datamodule: DataModule | None = None
+    ) -> list[dict[str, float]]:
+        """Run one test epoch; returns one dict of epoch metrics per dataloader."""
+        return self._evaluate("test", module, dataloaders, datamodule, self.limit_test_batches)
+
+    def predict(self, module: TrainingModule, dataloaders: Any = None, datamodule: DataModule | None = None) -> list[Any]:
+        """Run `predict_step` on every batch; returns the outputs (a list per dataloader if several)."""
+        outputs = self._evaluate("predict", module, dataloaders, datamodule, self.limit_predict_batches)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def _evaluate(
+        self, stage: str, module: TrainingModule, loaders: Any, datamodule: DataModule | None, limit: float | int
+    ) -> list[Any]:
+        with self._run({"validation": "validate"}.get(stage, stage), module, datamodule):
+            resolved = resolve_loaders(stage, loaders, datamodule)
+            if not resolved:
+                raise ValueError(f"{stage} needs data: pass dataloaders or a datamodule with a {stage} dataloader")
+            check_not_empty(stage, resolved)
+            return loop.run_evaluation(self, module, stage, resolved, [num_batches(d, limit) for d in resolved])
+        raise AssertionError("unreachable")  # pragma: no cover  (mypy: _run re-raises)
+
+    # --- run setup and teardown -------------------------------------------------
+    @contextlib.contextmanager
+    def _run(self, stage: str, module: TrainingModule, datamodule: DataModule | None) -> Iterator[None]:
+        if not isinstance(module, TrainingModule):
+            raise TypeError(f"expected an ember.TrainingModule, got {type(module).__qualname__}")
+        from ember.trainer.setup import default_callbacks, resolve_loggers
+
+        self.stage = stage
+        self.should_stop = False
+        self._module = module
+        self.hooks = CallbackList(self, module, [*self.user_callbacks, *default_callbacks(self)])
+        if self._logger_option is not None and not self._loggers_resolved:
+            self.loggers = resolve_loggers(self._logger_option, self.default_root_dir, module)
+            self._loggers_resolved = True
+        module._trainer = self
+        self.model = self.strategy.setup_module(module)
+        if self.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        status = "failed"
+        try:
+            if datamodule is not None:
+                datamodule.setup(stage)
+            self.hooks.setup(stage)
+            with torch.autograd.detect_anomaly() if self.detect_anomaly else contextlib.nullcontext():
+                yield
+            status = "success"
+        except BaseException as exc:
+            status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            self.hooks.on_exception(exc)
+            raise
+        finally:
+            for logger in self.loggers:
+                logger.finalize(status)
+            self.hooks.teardown(stage)
+            if datamodule is not None:
+                datamodule.teardown(stage)
+            self.strategy.teardown()
+            self.stage = None
+
+    def _setup_optimizers(self, module: TrainingModule) -> None:
+        setup = parse_optimizers(module.configure_optimizers())
+        self._automatic = module.automatic_optimization
+        if self._automatic and len(setup.optimizers) > 1:
+            raise ValueError(
+                f"configure_optimizers returned {len(setup.optimizers)} optimizers; several optimizers need "
+                "manual optimization: set self.automatic_optimization = False and step them in training_step"
+            )
+        self.optimizers, self.lr_scheduler_configs = setup.optimizers, setup.schedulers
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        from ember.trainer.optimization import backward, optimizer_step
+
+        module._manual_optimizers = [
+            ManualOptimizer(opt, lambda o, closure: optimizer_step(self, o, closure)) for opt in self.optimizers
+        ]
+        module._manual_schedulers = [c.scheduler for c in self.lr_scheduler_configs]
+        module._manual_backward_fn = lambda loss: backward(self, loss)
+
+    # --- used by the loops ---------------------------------------------------------
+    def _max_steps_reached(self) -> bool:
+        return 0 <= self.max_steps <= self.progress.global_step
+
+    def _should_stop_in_epoch(self) -> bool:
+        return self.should_stop or self._max_steps_reached() or self._clock.expired()
+
+    def _fit_is_done(self) -> bool:
+        epochs_done = self.max_epochs is not None and self.progress.epoch >= self.max_epochs
+        return epochs_done or self._should_stop_in_epoch()
+
+    def _log_metrics(self, metrics: dict[str, Any]) -> None:
+        if not metrics or not self.loggers or not self.is_global_zero:
+            return
+        floats = to_floats(metrics)
+        self._logged.update(floats)
+        for logger in self.loggers:
+            if hasattr(logger, "epoch"):
+                logger.epoch = self.progress.epoch
+            logger.log_metrics(floats, self.progress.global_step)
+
+    def _log_epoch_metrics(self, metrics: dict[str, Any]) -> None:
+        self._epoch_metrics.update(metrics)
+        self._log_metrics(metrics)
+        for logger in self.loggers:
+            logger.save()
+
+    def _finish_eval(self, metrics: dict[str, Any], num_loaders: int) -> list[dict[str, float]]:
+        """Store an evaluation's epoch metrics; split them per dataloader."""
+        if self.sanity_checking:
+            return []
+        self._log_epoch_metrics(metrics)
+        floats = to_floats(metrics)
+        if num_loaders == 1:
+            return [floats]
+        return [
+            {k: v for k, v in floats.items() if k.endswith(f"/dataloader_idx_{i}")} for i in range(num_loaders)
+        ]
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+
+
+def _check_val_check_interval(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"val_check_interval must be a fraction of an epoch (float) or a batch count (int); got {value!r}")
+    if isinstance(value, float) and not 0.0 < value <= 1.0:
+        raise ValueError(f"val_check_interval={value}: a fraction must lie in (0, 1]; use an int for a batch count")
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"val_check_interval={value}: a batch count must be at least 1")
+
+
+def _parse_max_time(value: float | str | timedelta | dict[str, int] | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, dict):
+        return timedelta(**value).total_seconds()
+    if isinstance(value, str):
+        match = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", value)
+        if not match:
+            raise ValueError(f"max_time={value!r}: use 'DD:HH:MM:SS', seconds, or a timedelta")
+        d, h, m, s = map(int, match.groups())
+        return timedelta(days=d, hours=h, minutes=m, seconds=s).total_seconds()
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    raise ValueError(f"max_time={value!r}: use seconds (> 0), 'DD:HH:MM:SS', a timedelta or a dict")
+
+
+def _resolve_strategy(strategy: str | Strategy, accelerator: str, devices: int | str, precision: str | int) -> Strategy:
+    if accelerator not in _ACCELERATORS:
+        raise ValueError(f"accelerator={accelerator!r} is not valid; choose one of: {', '.join(_ACCELERATORS)}")
+    if accelerator == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("accelerator='cuda' but CUDA is not available here; use accelerator='cpu' or 'auto'")
+    if devices not in ("auto", 1, "1"):
+        raise ValueError(f"devices={devices!r}: this version runs on one device; use devices=1 or 'auto'")
+    plugin = resolve_precision(precision)
+    if isinstance(strategy, Strategy):
+        strategy.precision = plugin
+        return strategy
+    if strategy not in ("auto", "single_device"):
+        raise ValueError(f"strategy={strategy!r} is not valid; choose 'auto', 'single_device' or a Strategy instance")
+    use_cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
+    return Strategy("cuda:0" if use_cuda else "cpu", plugin)

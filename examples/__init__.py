@@ -1,0 +1,1 @@
+"""Runnable ember examples (importable so configs can name them with ``_target_``)."""
