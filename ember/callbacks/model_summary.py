@@ -32,8 +32,17 @@ def summarize(module: nn.Module) -> str:
     total, trainable = count_parameters(module)
     rows.append(("total", type(module).__name__, f"{total:,}", f"{trainable:,}"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
-             for r in rows]
+    # Name and type columns align left, the counts right.
+    lines = [
+        "  ".join(
+            [
+                r[0].ljust(widths[0]),
+                r[1].ljust(widths[1]),
+                *(c.rjust(w) for c, w in zip(r[2:], widths[2:], strict=True)),
+            ]
+        )
+        for r in rows
+    ]
     size_mb = total * 4 / 1e6
     return "\n".join([*lines, f"{size_mb:.2f} MB of fp32 parameters"])
 

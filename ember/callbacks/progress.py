@@ -21,8 +21,9 @@ def format_metrics(metrics: dict[str, float]) -> str:
 class ProgressLine(Callback):
     """Prints a line at the end of each training epoch and each validate/test run.
 
-    Lines show the epoch, the optimizer step, the elapsed time of the epoch and
-    every metric logged with ``prog_bar=True``. With ``every_n_batches`` it
+    Epoch lines show the epoch, the optimizer step, every metric logged with
+    ``prog_bar=True`` and the epoch's wall time; validate/test lines show all
+    their epoch metrics. With ``every_n_batches`` it
     also prints inside an epoch. Only the global-zero process prints. Enabled
     by ``Trainer(enable_progress_bar=True)`` (the default).
     """
@@ -59,7 +60,7 @@ class ProgressLine(Callback):
 
     def on_validation_end(self, trainer: Trainer, module: TrainingModule) -> None:
         if trainer.stage == "validate":
-            self._print(trainer, f"validate  {format_metrics(trainer.progress_bar_metrics)}")
+            self._print(trainer, f"validate  {format_metrics(trainer.last_eval_metrics)}")
 
     def on_test_end(self, trainer: Trainer, module: TrainingModule) -> None:
-        self._print(trainer, f"test  {format_metrics(trainer.progress_bar_metrics)}")
+        self._print(trainer, f"test  {format_metrics(trainer.last_eval_metrics)}")

@@ -29,14 +29,16 @@ class CSVLogger(Logger):
     free ``version_N``; the folder is created on the first write.
     """
 
-    def __init__(self, save_dir: str | os.PathLike[str] = "runs", name: str = "default", version: str | None = None):
+    def __init__(
+        self, save_dir: str | os.PathLike[str] = "runs", name: str = "default", version: str | None = None
+    ):
         self._root = Path(save_dir) / name
         self._name = name
         self._version = version
         self._rows: list[dict[str, Any]] = []
         self._columns: list[str] = ["step"]
         self._written = 0
-        self.epoch: int | None = None
+        self._header: list[str] = []
 
     @property
     def name(self) -> str:
@@ -57,10 +59,7 @@ class CSVLogger(Logger):
         return self.log_dir / "metrics.csv"
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        row: dict[str, Any] = {"step": step}
-        if self.epoch is not None:
-            row["epoch"] = self.epoch
-        row.update(metrics)
+        row: dict[str, Any] = {"step": step, **metrics}
         for key in row:
             if key not in self._columns:
                 self._columns.append(key)
@@ -76,15 +75,23 @@ class CSVLogger(Logger):
     def save(self) -> None:
         if len(self._rows) == self._written:
             return
-        # The header can grow as new metrics appear: rewrite the whole file
-        # (atomically) rather than leaving rows under a stale header.
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=self._columns, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(self._rows)
-        _write_atomic(self.metrics_path, buffer.getvalue())
+        if self._header == self._columns:  # same columns: append the new rows
+            with open(self.metrics_path, "a", encoding="utf-8", newline="") as f:
+                self._writer(f).writerows(self._rows[self._written :])
+                f.flush()
+                os.fsync(f.fileno())
+        else:  # a new metric appeared: rewrite the file (atomically) under the wider header
+            buffer = io.StringIO()
+            writer = self._writer(buffer)
+            writer.writeheader()
+            writer.writerows(self._rows)
+            _write_atomic(self.metrics_path, buffer.getvalue())
+            self._header = list(self._columns)
         self._written = len(self._rows)
+
+    def _writer(self, f: Any) -> csv.DictWriter[str]:
+        return csv.DictWriter(f, fieldnames=self._columns, lineterminator="\n")
 
     def finalize(self, status: str) -> None:
         self.save()

@@ -14,9 +14,7 @@ class AttributeDict(dict[str, Any]):
         try:
             return self[name]
         except KeyError:
-            raise AttributeError(
-                f"no hyperparameter {name!r}; recorded: {sorted(self)}"
-            ) from None
+            raise AttributeError(f"no hyperparameter {name!r}; recorded: {sorted(self)}") from None
 
     def __setattr__(self, name: str, value: Any) -> None:
         self[name] = value

@@ -201,7 +201,9 @@ class TrainingModule(nn.Module):
         return self(inputs)
 
     def _default_eval_step(self, stage: str, batch: Any) -> Tensor:
-        loss, preds, target = self._default_forward(batch, f"{'validation' if stage == 'val' else stage}_step")
+        loss, preds, target = self._default_forward(
+            batch, f"{'validation' if stage == 'val' else stage}_step"
+        )
         self.log(f"{stage}/loss", loss, prog_bar=True)
         metrics = self.__dict__.get("_modules", {}).get("metrics")
         if metrics is not None:
@@ -218,14 +220,17 @@ class TrainingModule(nn.Module):
                 "and self.loss_fn to use the default step on (inputs, target) batches"
             )
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            kind = f"a {type(batch).__qualname__}" + (f" of length {len(batch)}" if hasattr(batch, "__len__") else "")
+            kind = f"a {type(batch).__qualname__}" + (
+                f" of length {len(batch)}" if hasattr(batch, "__len__") else ""
+            )
             raise TypeError(
                 f"the default {step} expects (inputs, target) batches; got {kind}. "
                 f"Override {step}() for other batch formats."
             )
         inputs, target = batch
         preds = self(inputs)
-        return self.loss_fn(preds, target), preds, target
+        loss: Tensor = self.loss_fn(preds, target)  # type: ignore[operator]
+        return loss, preds, target
 
     # --- manual optimization ----------------------------------------------------------
     def optimizers(self) -> ManualOptimizer | list[ManualOptimizer]:

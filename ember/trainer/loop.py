@@ -25,7 +25,9 @@ def run_fit(trainer: Trainer, module: TrainingModule, train_loader: Any, val_loa
     if val_loaders and trainer.num_sanity_val_steps:
         trainer.sanity_checking = True
         hooks.on_sanity_check_start()
-        run_evaluation(trainer, module, "validation", val_loaders, [trainer.num_sanity_val_steps] * len(val_loaders))
+        run_evaluation(
+            trainer, module, "validation", val_loaders, [trainer.num_sanity_val_steps] * len(val_loaders)
+        )
         hooks.on_sanity_check_end()
         trainer.sanity_checking = False
     module.train()

@@ -54,7 +54,9 @@ def optimizer_step(trainer: Trainer, optimizer: Optimizer, closure: Any = None) 
     strategy.precision.unscale_gradients(optimizer)
     trainer.hooks.on_before_optimizer_step(optimizer)
     if trainer.gradient_clip_val is not None and trainer._automatic:
-        strategy.clip_gradients(trainer.model, optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+        strategy.clip_gradients(
+            trainer.model, optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+        )
     strategy.optimizer_step(optimizer, closure)
     if trainer._automatic:
         trainer.hooks.on_before_zero_grad(optimizer)
@@ -81,9 +83,9 @@ def step_schedulers(trainer: Trainer, interval: str) -> None:
                         f"logged metrics: {sorted(trainer.callback_metrics)}"
                     )
                 continue
-            config.scheduler.step(value)
+            config.scheduler.step(value)  # type: ignore[arg-type]
         else:
-            config.scheduler.step()
+            config.scheduler.step()  # type: ignore[call-arg]
 
 
 def _loss_of(output: Any) -> Tensor | None:
@@ -93,7 +95,8 @@ def _loss_of(output: Any) -> Tensor | None:
     if not isinstance(loss, Tensor):
         raise TypeError(
             "training_step must return a scalar loss tensor, a dict with a 'loss' tensor, or None; "
-            f"got {type(output).__qualname__}" + (" without a 'loss' tensor" if isinstance(output, Mapping) else "")
+            f"got {type(output).__qualname__}"
+            + (" without a 'loss' tensor" if isinstance(output, Mapping) else "")
         )
     if loss.ndim != 0:
         raise ValueError(

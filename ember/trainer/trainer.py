@@ -133,12 +133,14 @@ class Trainer:
         self.epoch_plan = EpochPlan(0, 1, math.inf)
         self.num_val_batches: list[float] = []
         self._epoch_metrics: dict[str, Any] = {}
+        #: Every epoch metric of the most recent validation/test run, as floats.
+        self.last_eval_metrics: dict[str, float] = {}
         self._logged: dict[str, float] = {}
         self._window_has_grads = False
         self._automatic = True
         self._clock = loop.Clock(None)
         self._module: TrainingModule | None = None
-        self.model: nn.Module | None = None
+        self._model: nn.Module | None = None
         self.hooks: CallbackList
 
     # --- public state ---------------------------------------------------------
@@ -168,6 +170,13 @@ class Trainer:
         names = self.train_collector.prog_bar_names | self.eval_collector.prog_bar_names
         merged = {**self._epoch_metrics, **self.train_collector.step_values}
         return to_floats({k: v for k, v in merged.items() if k in names})
+
+    @property
+    def model(self) -> nn.Module:
+        """The module as the strategy prepared it (moved, and wrapped under DDP/FSDP)."""
+        if self._model is None:
+            raise RuntimeError("trainer.model exists only inside fit/validate/test/predict")
+        return self._model
 
     @property
     def logger(self) -> Logger | None:
@@ -201,17 +210,24 @@ class Trainer:
         with self._run("fit", module, datamodule):
             train = resolve_loaders("train", train_dataloaders, datamodule)
             if not train:
-                raise ValueError("fit needs training data: pass train_dataloaders or a datamodule with train_dataloader()")
+                raise ValueError(
+                    "fit needs training data: pass train_dataloaders or a datamodule with train_dataloader()"
+                )
             if len(train) > 1:
                 raise ValueError("fit takes one training dataloader; combine datasets into one loader")
             val = resolve_loaders("validation", val_dataloaders, datamodule)
             check_not_empty("train", train)
             check_not_empty("validation", val)
             self.epoch_plan = EpochPlan.build(
-                num_batches(train[0], self.limit_train_batches), self.accumulate_grad_batches, self.val_check_interval
+                num_batches(train[0], self.limit_train_batches),
+                self.accumulate_grad_batches,
+                self.val_check_interval,
             )
             self.num_val_batches = [num_batches(v, self.limit_val_batches) for v in val]
             self._setup_optimizers(module)
+            if module.hparams and self.is_global_zero:
+                for logger in self.loggers:
+                    logger.log_hyperparams(dict(module.hparams))
             self._clock = loop.Clock(self.max_time_s)
             if self.epoch_plan.num_batches == 0:
                 return  # limit_train_batches=0 disables training
@@ -229,20 +245,31 @@ class Trainer:
         """Run one test epoch; returns one dict of epoch metrics per dataloader."""
         return self._evaluate("test", module, dataloaders, datamodule, self.limit_test_batches)
 
-    def predict(self, module: TrainingModule, dataloaders: Any = None, datamodule: DataModule | None = None) -> list[Any]:
+    def predict(
+        self, module: TrainingModule, dataloaders: Any = None, datamodule: DataModule | None = None
+    ) -> list[Any]:
         """Run `predict_step` on every batch; returns the outputs (a list per dataloader if several)."""
         outputs = self._evaluate("predict", module, dataloaders, datamodule, self.limit_predict_batches)
         return outputs[0] if len(outputs) == 1 else outputs
 
     def _evaluate(
-        self, stage: str, module: TrainingModule, loaders: Any, datamodule: DataModule | None, limit: float | int
+        self,
+        stage: str,
+        module: TrainingModule,
+        loaders: Any,
+        datamodule: DataModule | None,
+        limit: float | int,
     ) -> list[Any]:
         with self._run({"validation": "validate"}.get(stage, stage), module, datamodule):
             resolved = resolve_loaders(stage, loaders, datamodule)
             if not resolved:
-                raise ValueError(f"{stage} needs data: pass dataloaders or a datamodule with a {stage} dataloader")
+                raise ValueError(
+                    f"{stage} needs data: pass dataloaders or a datamodule with a {stage} dataloader"
+                )
             check_not_empty(stage, resolved)
-            return loop.run_evaluation(self, module, stage, resolved, [num_batches(d, limit) for d in resolved])
+            return loop.run_evaluation(
+                self, module, stage, resolved, [num_batches(d, limit) for d in resolved]
+            )
         raise AssertionError("unreachable")  # pragma: no cover  (mypy: _run re-raises)
 
     # --- run setup and teardown -------------------------------------------------
@@ -260,7 +287,7 @@ class Trainer:
             self.loggers = resolve_loggers(self._logger_option, self.default_root_dir, module)
             self._loggers_resolved = True
         module._trainer = self
-        self.model = self.strategy.setup_module(module)
+        self._model = self.strategy.setup_module(module)
         if self.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
@@ -299,7 +326,8 @@ class Trainer:
         from ember.trainer.optimization import backward, optimizer_step
 
         module._manual_optimizers = [
-            ManualOptimizer(opt, lambda o, closure: optimizer_step(self, o, closure)) for opt in self.optimizers
+            ManualOptimizer(opt, lambda o, closure: optimizer_step(self, o, closure))
+            for opt in self.optimizers
         ]
         module._manual_schedulers = [c.scheduler for c in self.lr_scheduler_configs]
         module._manual_backward_fn = lambda loss: backward(self, loss)
@@ -320,9 +348,8 @@ class Trainer:
             return
         floats = to_floats(metrics)
         self._logged.update(floats)
+        floats["epoch"] = self.progress.epoch
         for logger in self.loggers:
-            if hasattr(logger, "epoch"):
-                logger.epoch = self.progress.epoch
             logger.log_metrics(floats, self.progress.global_step)
 
     def _log_epoch_metrics(self, metrics: dict[str, Any]) -> None:
@@ -336,11 +363,12 @@ class Trainer:
         if self.sanity_checking:
             return []
         self._log_epoch_metrics(metrics)
-        floats = to_floats(metrics)
+        floats = self.last_eval_metrics = to_floats(metrics)
         if num_loaders == 1:
             return [floats]
         return [
-            {k: v for k, v in floats.items() if k.endswith(f"/dataloader_idx_{i}")} for i in range(num_loaders)
+            {k: v for k, v in floats.items() if k.endswith(f"/dataloader_idx_{i}")}
+            for i in range(num_loaders)
         ]
 
 
@@ -351,9 +379,13 @@ def _check_positive_int(name: str, value: Any) -> None:
 
 def _check_val_check_interval(value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"val_check_interval must be a fraction of an epoch (float) or a batch count (int); got {value!r}")
+        raise TypeError(
+            f"val_check_interval must be a fraction of an epoch (float) or a batch count (int); got {value!r}"
+        )
     if isinstance(value, float) and not 0.0 < value <= 1.0:
-        raise ValueError(f"val_check_interval={value}: a fraction must lie in (0, 1]; use an int for a batch count")
+        raise ValueError(
+            f"val_check_interval={value}: a fraction must lie in (0, 1]; use an int for a batch count"
+        )
     if isinstance(value, int) and value < 1:
         raise ValueError(f"val_check_interval={value}: a batch count must be at least 1")
 
@@ -376,11 +408,17 @@ def _parse_max_time(value: float | str | timedelta | dict[str, int] | None) -> f
     raise ValueError(f"max_time={value!r}: use seconds (> 0), 'DD:HH:MM:SS', a timedelta or a dict")
 
 
-def _resolve_strategy(strategy: str | Strategy, accelerator: str, devices: int | str, precision: str | int) -> Strategy:
+def _resolve_strategy(
+    strategy: str | Strategy, accelerator: str, devices: int | str, precision: str | int
+) -> Strategy:
     if accelerator not in _ACCELERATORS:
-        raise ValueError(f"accelerator={accelerator!r} is not valid; choose one of: {', '.join(_ACCELERATORS)}")
+        raise ValueError(
+            f"accelerator={accelerator!r} is not valid; choose one of: {', '.join(_ACCELERATORS)}"
+        )
     if accelerator == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("accelerator='cuda' but CUDA is not available here; use accelerator='cpu' or 'auto'")
+        raise RuntimeError(
+            "accelerator='cuda' but CUDA is not available here; use accelerator='cpu' or 'auto'"
+        )
     if devices not in ("auto", 1, "1"):
         raise ValueError(f"devices={devices!r}: this version runs on one device; use devices=1 or 'auto'")
     plugin = resolve_precision(precision)
@@ -388,6 +426,8 @@ def _resolve_strategy(strategy: str | Strategy, accelerator: str, devices: int |
         strategy.precision = plugin
         return strategy
     if strategy not in ("auto", "single_device"):
-        raise ValueError(f"strategy={strategy!r} is not valid; choose 'auto', 'single_device' or a Strategy instance")
+        raise ValueError(
+            f"strategy={strategy!r} is not valid; choose 'auto', 'single_device' or a Strategy instance"
+        )
     use_cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
     return Strategy("cuda:0" if use_cuda else "cpu", plugin)
