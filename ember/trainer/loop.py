@@ -6,6 +6,8 @@ documented in docs/hooks.md and pinned by tests/unit/trainer/test_hook_order.py.
 
 from __future__ import annotations
 
+import random
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -25,9 +27,7 @@ def run_fit(trainer: Trainer, module: TrainingModule, train_loader: Any, val_loa
     if val_loaders and trainer.num_sanity_val_steps:
         trainer.sanity_checking = True
         hooks.on_sanity_check_start()
-        run_evaluation(
-            trainer, module, "validation", val_loaders, [trainer.num_sanity_val_steps] * len(val_loaders)
-        )
+        validate_in_fit(trainer, module, val_loaders, [trainer.num_sanity_val_steps] * len(val_loaders))
         hooks.on_sanity_check_end()
         trainer.sanity_checking = False
     module.train()
@@ -60,19 +60,41 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
             trainer._log_metrics(collector.step_values)
         validated = validates and plan.validates_after(batch_idx)
         if validated:
-            run_evaluation(trainer, module, "validation", val_loaders, trainer.num_val_batches)
+            validate_in_fit(trainer, module, val_loaders, trainer.num_val_batches)
         if plan.ends_window(batch_idx) and trainer._should_stop_in_epoch():
             break
     if trainer._window_has_grads:  # a loader without a length ended inside an accumulation window
         optimizer_step(trainer, trainer.optimizers[0])
     if validates and batch_idx >= 0 and not validated:  # stopped mid-epoch: evaluate the final weights
-        run_evaluation(trainer, module, "validation", val_loaders, trainer.num_val_batches)
+        validate_in_fit(trainer, module, val_loaders, trainer.num_val_batches)
     hooks.on_train_epoch_end()
     if trainer._automatic:
         step_schedulers(trainer, "epoch")
     trainer._log_epoch_metrics(collector.epoch_values())
     progress.epoch += 1
     progress.batch_idx = 0
+
+
+def validate_in_fit(trainer: Trainer, module: TrainingModule, loaders: list[Any], limits: list[float]) -> None:
+    """Validation inside fit, leaving every random stream as it found it.
+
+    Iterating a DataLoader without its own ``generator`` draws a seed from the
+    global torch RNG, and a validation step may draw too; restoring the state
+    keeps training (dropout, augmentation, shuffling) identical to a run that
+    never validates.
+    """
+    py_state, np_state = random.getstate(), _numpy_state()
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        run_evaluation(trainer, module, "validation", loaders, limits)
+    random.setstate(py_state)
+    if np_state is not None:
+        sys.modules["numpy"].random.set_state(np_state)
+
+
+def _numpy_state() -> Any:
+    np = sys.modules.get("numpy")  # only if the program uses numpy at all
+    return np.random.get_state() if np is not None else None
 
 
 _STEP_METHOD = {"validation": "validation_step", "test": "test_step", "predict": "predict_step"}
