@@ -148,7 +148,7 @@ class MetricCollector:
                 both = on_step and on_epoch
                 for tag in ("_step", "_epoch") if both else ("",):
                     self.prog_bar_names.add(_insert_before_suffix(key, tag, self.suffix))
-        if _is_metric(value):
+        if not isinstance(value, Tensor) and _is_metric(value):
             entry.metric = value
             step_value = value._forward_cache if on_step else None
             if isinstance(step_value, Tensor) and step_value.ndim == 0:

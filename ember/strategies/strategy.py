@@ -16,6 +16,8 @@ from torch.optim import Optimizer
 
 from ember.strategies.precision import Precision
 
+_NULL_CONTEXT = contextlib.nullcontext()  # stateless and reusable
+
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch to `device`; other values pass through."""
@@ -70,7 +72,7 @@ class Strategy:
 
     def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[None]:
         """Skip gradient synchronisation while accumulating (nothing to skip on one device)."""
-        return contextlib.nullcontext()
+        return _NULL_CONTEXT
 
     def clip_gradients(self, module: nn.Module, optimizer: Optimizer, value: float, algorithm: str) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
