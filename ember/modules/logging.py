@@ -182,6 +182,8 @@ class MetricCollector:
                 if entry.on_step:  # both: the step value is `name_step`, the epoch value `name_epoch`
                     name = _insert_before_suffix(key, "_epoch", _suffix_of(key))
                 out[name] = value
+        # Computed entries are done: a later call (or a later log of the name) starts afresh.
+        self._entries = {k: e for k, e in self._entries.items() if not e.on_epoch}
         return out
 
 

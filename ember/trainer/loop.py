@@ -67,10 +67,12 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
         optimizer_step(trainer, trainer.optimizers[0])
     if validates and batch_idx >= 0 and not validated:  # stopped mid-epoch: evaluate the final weights
         validate_in_fit(trainer, module, val_loaders, trainer.num_val_batches)
+    epoch_values = collector.epoch_values()
+    trainer._epoch_metrics.update(epoch_values)  # visible in on_train_epoch_end and to epoch schedulers
     hooks.on_train_epoch_end()
+    trainer._log_epoch_metrics({**epoch_values, **collector.epoch_values()})  # + values logged in the hook
     if trainer._automatic:
         step_schedulers(trainer, "epoch")
-    trainer._log_epoch_metrics(collector.epoch_values())
     progress.epoch += 1
     progress.batch_idx = 0
 
