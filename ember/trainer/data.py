@@ -24,8 +24,11 @@ def check_limit(name: str, value: float | int) -> None:
         raise ValueError(f"{name}={value} must not be negative")
 
 
-def num_batches(loader: Iterable[Any], limit: float | int) -> float:
-    """Batches to use from `loader`: ``inf`` for a loader without a length."""
+def num_batches(loader: Iterable[Any], limit: float | int, name: str = "limit_*_batches") -> float:
+    """Batches to use from `loader`: ``inf`` for a loader without a length.
+
+    `name` is the option the limit came from, for the error messages.
+    """
     try:
         length: float = len(loader)  # type: ignore[arg-type]
     except TypeError:
@@ -35,8 +38,14 @@ def num_batches(loader: Iterable[Any], limit: float | int) -> float:
     if limit == 1.0:
         return length
     if math.isinf(length):
-        raise ValueError("a fractional limit_*_batches needs a dataloader with a length; pass a batch count")
-    return int(length * limit)
+        raise ValueError(f"a fractional {name} needs a dataloader with a length; pass a batch count")
+    count = int(length * limit)
+    if count == 0 and limit > 0 and length > 0:
+        raise ValueError(
+            f"{name}={limit} of {int(length)} batches is less than one batch; "
+            f"use at least {1 / length:.4g}, a batch count, or 0 to skip"
+        )
+    return count
 
 
 def limited(loader: Iterable[Any], count: float) -> Iterator[Any]:

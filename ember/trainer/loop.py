@@ -6,6 +6,7 @@ documented in docs/hooks.md and pinned by tests/unit/trainer/test_hook_order.py.
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 import time
@@ -24,10 +25,12 @@ if TYPE_CHECKING:
 def run_fit(trainer: Trainer, module: TrainingModule, train_loader: Any, val_loaders: list[Any]) -> None:
     hooks = trainer.hooks
     hooks.on_fit_start()
-    if val_loaders and trainer.num_sanity_val_steps:
+    steps = math.inf if trainer.num_sanity_val_steps == -1 else trainer.num_sanity_val_steps
+    sanity_limits = [min(steps, n) for n in trainer.num_val_batches]  # limit_val_batches caps it
+    if any(sanity_limits):
         trainer.sanity_checking = True
         hooks.on_sanity_check_start()
-        validate_in_fit(trainer, module, val_loaders, [trainer.num_sanity_val_steps] * len(val_loaders))
+        validate_in_fit(trainer, module, val_loaders, sanity_limits)
         hooks.on_sanity_check_end()
         trainer.sanity_checking = False
     module.train()
@@ -41,7 +44,7 @@ def run_fit(trainer: Trainer, module: TrainingModule, train_loader: Any, val_loa
 def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_loaders: list[Any]) -> None:
     hooks, progress, collector = trainer.hooks, trainer.progress, trainer.train_collector
     plan: EpochPlan = trainer.epoch_plan
-    validates = bool(val_loaders) and (progress.epoch + 1) % trainer.check_val_every_n_epoch == 0
+    validates = any(trainer.num_val_batches) and (progress.epoch + 1) % trainer.check_val_every_n_epoch == 0
     collector.start_epoch("train")
     hooks.on_train_epoch_start()
     batch_idx, validated = -1, False

@@ -32,6 +32,7 @@ from ember.trainer.data import EpochPlan, check_limit, check_not_empty, num_batc
 from ember.trainer.progress import Progress
 
 _ACCELERATORS = ("auto", "cpu", "cuda")
+_LIMIT_NAME = {"validation": "val", "test": "test", "predict": "predict"}
 
 
 class Trainer:
@@ -88,6 +89,22 @@ class Trainer:
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}; choose 'norm' or 'value'")
         _check_val_check_interval(val_check_interval)
+        if gradient_clip_val is not None and (
+            isinstance(gradient_clip_val, bool)
+            or not isinstance(gradient_clip_val, (int, float))
+            or gradient_clip_val < 0
+        ):
+            raise ValueError(
+                f"gradient_clip_val={gradient_clip_val!r} must be a number >= 0 (0 or None: no clipping)"
+            )
+        if (
+            isinstance(num_sanity_val_steps, bool)
+            or not isinstance(num_sanity_val_steps, int)
+            or num_sanity_val_steps < -1
+        ):
+            raise ValueError(
+                f"num_sanity_val_steps={num_sanity_val_steps!r}: use a batch count >= 0, or -1 for all"
+            )
         if fast_dev_run:
             n = 1 if fast_dev_run is True else int(fast_dev_run)
             _check_positive_int("fast_dev_run", n)
@@ -99,7 +116,7 @@ class Trainer:
         self.max_time_s = _parse_max_time(max_time)
         self.strategy = _resolve_strategy(strategy, accelerator, devices, precision)
         self.accumulate_grad_batches = accumulate_grad_batches
-        self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_val = gradient_clip_val or None  # 0: no clipping, as in Lightning
         self.gradient_clip_algorithm = gradient_clip_algorithm
         self.val_check_interval = val_check_interval
         self.check_val_every_n_epoch = check_val_every_n_epoch
@@ -219,11 +236,11 @@ class Trainer:
             check_not_empty("train", train)
             check_not_empty("validation", val)
             self.epoch_plan = EpochPlan.build(
-                num_batches(train[0], self.limit_train_batches),
+                num_batches(train[0], self.limit_train_batches, "limit_train_batches"),
                 self.accumulate_grad_batches,
                 self.val_check_interval,
             )
-            self.num_val_batches = [num_batches(v, self.limit_val_batches) for v in val]
+            self.num_val_batches = [num_batches(v, self.limit_val_batches, "limit_val_batches") for v in val]
             self._setup_optimizers(module)
             if module.hparams and self.is_global_zero:
                 for logger in self.loggers:
@@ -267,8 +284,9 @@ class Trainer:
                     f"{stage} needs data: pass dataloaders or a datamodule with a {stage} dataloader"
                 )
             check_not_empty(stage, resolved)
+            name = f"limit_{_LIMIT_NAME[stage]}_batches"
             return loop.run_evaluation(
-                self, module, stage, resolved, [num_batches(d, limit) for d in resolved]
+                self, module, stage, resolved, [num_batches(d, limit, name) for d in resolved]
             )
         raise AssertionError("unreachable")  # pragma: no cover  (mypy: _run re-raises)
 
@@ -279,13 +297,15 @@ class Trainer:
             raise TypeError(f"expected an ember.TrainingModule, got {type(module).__qualname__}")
         from ember.trainer.setup import default_callbacks, resolve_loggers
 
-        self.stage = stage
-        self.should_stop = False
-        self._module = module
-        self.hooks = CallbackList(self, module, [*self.user_callbacks, *default_callbacks(self)])
+        # What can reject the run comes first, so a rejected run leaves the trainer idle.
+        hooks = CallbackList(self, module, [*self.user_callbacks, *default_callbacks(self)])
         if self._logger_option is not None and not self._loggers_resolved:
             self.loggers = resolve_loggers(self._logger_option, self.default_root_dir, module)
             self._loggers_resolved = True
+        self.stage = stage
+        self.should_stop = False
+        self._module = module
+        self.hooks = hooks
         module._trainer = self
         self._model = self.strategy.setup_module(module)
         if self.deterministic:
@@ -393,19 +413,30 @@ def _check_val_check_interval(value: Any) -> None:
 def _parse_max_time(value: float | str | timedelta | dict[str, int] | None) -> float | None:
     if value is None:
         return None
+    seconds: float | None = None
     if isinstance(value, timedelta):
-        return value.total_seconds()
-    if isinstance(value, dict):
-        return timedelta(**value).total_seconds()
-    if isinstance(value, str):
+        seconds = value.total_seconds()
+    elif isinstance(value, dict):
+        try:
+            seconds = timedelta(**value).total_seconds()
+        except TypeError:
+            raise ValueError(
+                f"max_time={value!r}: dict keys must be timedelta fields "
+                "(days, hours, minutes, seconds, milliseconds, ...)"
+            ) from None
+    elif isinstance(value, str):
         match = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", value)
         if not match:
             raise ValueError(f"max_time={value!r}: use 'DD:HH:MM:SS', seconds, or a timedelta")
         d, h, m, s = map(int, match.groups())
-        return timedelta(days=d, hours=h, minutes=m, seconds=s).total_seconds()
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    raise ValueError(f"max_time={value!r}: use seconds (> 0), 'DD:HH:MM:SS', a timedelta or a dict")
+        seconds = timedelta(days=d, hours=h, minutes=m, seconds=s).total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    if seconds is None or not seconds > 0:
+        raise ValueError(
+            f"max_time={value!r}: use a positive budget: seconds (> 0), 'DD:HH:MM:SS', a timedelta or a dict"
+        )
+    return seconds
 
 
 def _resolve_strategy(

@@ -20,7 +20,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ember import Callback, Trainer, TrainingModule
 
-QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+QUIET: dict[str, Any] = dict(
+    logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False
+)
 
 
 def loader(num_batches: int, batch_size: int = 2) -> DataLoader:
@@ -31,7 +33,7 @@ def loader(num_batches: int, batch_size: int = 2) -> DataLoader:
 
 
 class Net(TrainingModule):
-    """Counts its training steps and optimizer setups; `output(x, y, pred)` picks what training_step returns."""
+    """Counts training steps and optimizer setups; `output(x, y, pred)` picks what training_step returns."""
 
     def __init__(self, output: Any = None) -> None:
         super().__init__()
@@ -73,7 +75,7 @@ def snapshot(module: nn.Module) -> list[torch.Tensor]:
 
 
 def unchanged(module: nn.Module, before: list[torch.Tensor]) -> bool:
-    return all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+    return all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
 
 
 def files_under(path: Path) -> list[Path]:
@@ -216,7 +218,10 @@ def test_module_without_configure_optimizers(tmp_path: Path) -> None:
     module = NoOptimizers()
     before = snapshot(module)
     trainer = logging_trainer(tmp_path, max_epochs=1)
-    with pytest.raises(NotImplementedError, match=r"NoOptimizers does not define configure_optimizers\(\).*def configure_optimizers"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"NoOptimizers does not define configure_optimizers\(\); add one.*def configure_optimizers",
+    ):
         trainer.fit(module, loader(2))
     assert module.training_steps == 0
     assert unchanged(module, before)
@@ -243,7 +248,11 @@ def test_module_without_configure_optimizers(tmp_path: Path) -> None:
         ({"limit_val_batches": -1}, ValueError, r"limit_val_batches=-1 must not be negative"),
         ({"limit_test_batches": "all"}, TypeError, r"limit_test_batches must be a fraction"),
         ({"limit_predict_batches": 2.0}, ValueError, r"limit_predict_batches=2\.0"),
-        ({"accumulate_grad_batches": 0}, ValueError, r"accumulate_grad_batches must be a positive int; got 0"),
+        (
+            {"accumulate_grad_batches": 0},
+            ValueError,
+            r"accumulate_grad_batches must be a positive int; got 0$",
+        ),
         ({"accumulate_grad_batches": 2.0}, ValueError, r"accumulate_grad_batches must be a positive int"),
         ({"check_val_every_n_epoch": 0}, ValueError, r"check_val_every_n_epoch must be a positive int"),
         ({"log_every_n_steps": 0}, ValueError, r"log_every_n_steps must be a positive int"),
@@ -256,14 +265,18 @@ def test_module_without_configure_optimizers(tmp_path: Path) -> None:
         ({"fast_dev_run": -1}, ValueError, r"fast_dev_run must be a positive int"),
     ],
 )
-def test_bad_trainer_option(kwargs: dict[str, Any], error: type[Exception], match: str, tmp_path: Path) -> None:
+def test_bad_trainer_option(
+    kwargs: dict[str, Any], error: type[Exception], match: str, tmp_path: Path
+) -> None:
     with pytest.raises(error, match=match):
         Trainer(default_root_dir=tmp_path, **kwargs)
     assert files_under(tmp_path) == []
 
 
 @pytest.mark.parametrize(
-    "value", [timedelta(seconds=-1), timedelta(0), {"seconds": -30}, "00:00:00:00"], ids=str
+    "value",
+    [timedelta(seconds=-1), timedelta(0), {"seconds": -30}, "00:00:00:00"],
+    ids=["negative-timedelta", "zero-timedelta", "negative-dict", "zero-string"],
 )
 def test_max_time_must_be_positive_in_every_form(value: Any) -> None:
     # A number <= 0 is rejected; the same budget as a timedelta, dict or string must be too
@@ -315,7 +328,8 @@ def test_val_check_interval_larger_than_the_epoch(tmp_path: Path) -> None:
     module = Net()
     before = snapshot(module)
     trainer = logging_trainer(tmp_path, max_epochs=1, val_check_interval=5)
-    with pytest.raises(ValueError, match=r"val_check_interval=5 is larger than the training epoch \(3 batches\)"):
+    match = r"val_check_interval=5 is larger than the training epoch \(3 batches\)"
+    with pytest.raises(ValueError, match=match):
         trainer.fit(module, loader(3), loader(2))
     assert module.training_steps == 0 and module.optimizer_setups == 0
     assert unchanged(module, before)
@@ -348,7 +362,8 @@ def test_misspelt_callback_hook(tmp_path: Path) -> None:
     before = snapshot(module)
     trainer = logging_trainer(tmp_path, max_epochs=1, callbacks=[Misspelt()])
     with pytest.raises(
-        AttributeError, match=r"Misspelt\.on_train_epoch_ends is not an ember hook.*did you mean 'on_train_epoch_end'"
+        AttributeError,
+        match=r"Misspelt\.on_train_epoch_ends is not an ember hook.*did you mean 'on_train_epoch_end'",
     ):
         trainer.fit(module, loader(2))
     assert module.training_steps == 0

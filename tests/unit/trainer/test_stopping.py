@@ -18,7 +18,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ember import Callback, Trainer, TrainingModule
 
-QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+QUIET: dict[str, Any] = dict(
+    logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False
+)
 
 
 def loader(num_batches: int, batch_size: int = 2) -> DataLoader:
@@ -272,7 +274,7 @@ def test_limit_train_batches_zero_disables_training() -> None:
     trainer.fit(module, loader(10), loader(2))
     assert rec.train_batches == []
     assert trainer.global_step == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
 
 
 @pytest.mark.parametrize(("limit", "expected"), [(2, 2), (0.25, 2), (0.5, 4), (1.0, 8), (20, 8)])
@@ -542,7 +544,7 @@ def test_training_step_returning_none_skips_every_step() -> None:
     assert len(rec.train_batches) == 10
     assert rec.epochs_ended == [0, 1]
     assert trainer.global_step == 0 and rec.optimizer_steps == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
     assert all(p.grad is None for p in module.parameters())
 
 
