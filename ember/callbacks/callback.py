@@ -73,9 +73,7 @@ class Callback:
     def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
         """Called at the end of every training epoch, after the epoch's validation (if any)."""
 
-    def on_train_batch_start(
-        self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int) -> None:
         """Called before `training_step` for every batch."""
 
     def on_train_batch_end(
@@ -93,9 +91,7 @@ class Callback:
     def on_after_backward(self, trainer: Trainer, module: TrainingModule) -> None:
         """Called after `loss.backward()`; gradients are populated (still scaled under 16-mixed)."""
 
-    def on_before_optimizer_step(
-        self, trainer: Trainer, module: TrainingModule, optimizer: Optimizer
-    ) -> None:
+    def on_before_optimizer_step(self, trainer: Trainer, module: TrainingModule, optimizer: Optimizer) -> None:
         """Called before `optimizer.step()`, after gradients are unscaled and before clipping."""
 
     def on_before_zero_grad(self, trainer: Trainer, module: TrainingModule, optimizer: Optimizer) -> None:
@@ -189,14 +185,10 @@ class Callback:
         """Called after `predict_step` with its output."""
 
     # --- checkpoints and errors --------------------------------------------
-    def on_save_checkpoint(
-        self, trainer: Trainer, module: TrainingModule, checkpoint: dict[str, Any]
-    ) -> None:
+    def on_save_checkpoint(self, trainer: Trainer, module: TrainingModule, checkpoint: dict[str, Any]) -> None:
         """Called while a checkpoint is assembled; add entries to `checkpoint` if needed."""
 
-    def on_load_checkpoint(
-        self, trainer: Trainer, module: TrainingModule, checkpoint: dict[str, Any]
-    ) -> None:
+    def on_load_checkpoint(self, trainer: Trainer, module: TrainingModule, checkpoint: dict[str, Any]) -> None:
         """Called after a checkpoint is read, before its state is restored."""
 
     def on_exception(self, trainer: Trainer, module: TrainingModule, exception: BaseException) -> None:

@@ -141,9 +141,7 @@ class CallbackList:
     def on_eval_batch_start(self, stage: str, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
         self._call(f"on_{stage}_batch_start", batch, batch_idx, dataloader_idx)
 
-    def on_eval_batch_end(
-        self, stage: str, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int
-    ) -> None:
+    def on_eval_batch_end(self, stage: str, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
         self._call(f"on_{stage}_batch_end", outputs, batch, batch_idx, dataloader_idx)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -29,9 +29,7 @@ class CSVLogger(Logger):
     free ``version_N``; the folder is created on the first write.
     """
 
-    def __init__(
-        self, save_dir: str | os.PathLike[str] = "runs", name: str = "default", version: str | None = None
-    ):
+    def __init__(self, save_dir: str | os.PathLike[str] = "runs", name: str = "default", version: str | None = None):
         self._root = Path(save_dir) / name
         self._name = name
         self._version = version

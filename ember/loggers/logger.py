@@ -9,9 +9,7 @@ from typing import Any
 
 def next_version(root: Path) -> str:
     """``version_N`` with N one past the highest existing ``version_*`` folder in `root`."""
-    numbers = [
-        int(m.group(1)) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name))
-    ]
+    numbers = [int(m.group(1)) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name))]
     return f"version_{max(numbers, default=-1) + 1}"
 
 

@@ -25,9 +25,7 @@ def to_floats(values: Mapping[str, Tensor | float]) -> dict[str, float]:
     tensors = [(k, v) for k, v in values.items() if isinstance(v, Tensor)]
     out = {k: float(v) for k, v in values.items() if not isinstance(v, Tensor)}
     if tensors:
-        stacked = torch.stack(
-            [v.detach().reshape(()).to(torch.float64, copy=False).cpu() for _, v in tensors]
-        )
+        stacked = torch.stack([v.detach().reshape(()).to(torch.float64, copy=False).cpu() for _, v in tensors])
         out.update(zip((k for k, _ in tensors), stacked.tolist(), strict=True))
     return out
 
@@ -214,6 +212,5 @@ def _as_scalar_tensor(name: str, value: Any) -> Tensor:
     if isinstance(value, (int, float, bool)):
         return torch.tensor(float(value))
     raise TypeError(
-        f"self.log({name!r}) accepts numbers, scalar tensors or torchmetrics Metrics; "
-        f"got {type(value).__qualname__}"
+        f"self.log({name!r}) accepts numbers, scalar tensors or torchmetrics Metrics; got {type(value).__qualname__}"
     )

@@ -135,9 +135,7 @@ class TrainingModule(nn.Module):
         """
         if self._trainer is None:
             if not self._warned_no_trainer:
-                warnings.warn(
-                    f"self.log({name!r}) outside a Trainer is ignored", RuntimeWarning, stacklevel=2
-                )
+                warnings.warn(f"self.log({name!r}) outside a Trainer is ignored", RuntimeWarning, stacklevel=2)
                 self._warned_no_trainer = True
             return
         self._trainer.collector.log(
@@ -161,9 +159,7 @@ class TrainingModule(nn.Module):
         """Defaults to ``self.model(*args)``; override for anything else."""
         model = self.__dict__.get("_modules", {}).get("model")
         if model is None:
-            raise NotImplementedError(
-                f"{type(self).__qualname__} has no forward: define forward(), or set self.model"
-            )
+            raise NotImplementedError(f"{type(self).__qualname__} has no forward: define forward(), or set self.model")
         return model(*args, **kwargs)
 
     def configure_optimizers(self) -> Any:
@@ -189,28 +185,39 @@ class TrainingModule(nn.Module):
 
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         """Default: logs ``val/loss`` and every metric in ``self.metrics`` as ``val/<name>``."""
-        return self._default_eval_step("val", batch)
+        return self._default_eval_step("val", batch, dataloader_idx)
 
     def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         """Default: logs ``test/loss`` and every metric in ``self.metrics`` as ``test/<name>``."""
-        return self._default_eval_step("test", batch)
+        return self._default_eval_step("test", batch, dataloader_idx)
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         """Default: ``self(inputs)`` where inputs is the batch or its first element."""
         inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
         return self(inputs)
 
-    def _default_eval_step(self, stage: str, batch: Any) -> Tensor:
-        loss, preds, target = self._default_forward(
-            batch, f"{'validation' if stage == 'val' else stage}_step"
-        )
+    def _default_eval_step(self, stage: str, batch: Any, dataloader_idx: int = 0) -> Tensor:
+        loss, preds, target = self._default_forward(batch, f"{'validation' if stage == 'val' else stage}_step")
         self.log(f"{stage}/loss", loss, prog_bar=True)
         metrics = self.__dict__.get("_modules", {}).get("metrics")
         if metrics is not None:
             for name, metric in metrics.items():
+                if dataloader_idx:  # each dataloader needs its own metric state
+                    metric = self._metric_for_dataloader(name, metric, dataloader_idx, preds.device)
                 metric.update(preds, target)
                 self.log(f"{stage}/{name}", metric, prog_bar=True)
         return loss
+
+    def _metric_for_dataloader(self, name: str, metric: Any, dataloader_idx: int, device: torch.device) -> Any:
+        """A reset copy of `metric` for dataloader `dataloader_idx` (> 0), made on first use."""
+        copies: dict[tuple[str, int], Any] = self.__dict__.setdefault("_dataloader_metrics", {})
+        copy = copies.get((name, dataloader_idx))
+        if copy is None:
+            copy = copies[(name, dataloader_idx)] = metric.clone()
+            copy.reset()
+        if copy.device != device:
+            copy.to(device)
+        return copy
 
     def _default_forward(self, batch: Any, step: str) -> tuple[Tensor, Tensor, Any]:
         modules = self.__dict__.get("_modules", {})
@@ -220,9 +227,7 @@ class TrainingModule(nn.Module):
                 "and self.loss_fn to use the default step on (inputs, target) batches"
             )
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            kind = f"a {type(batch).__qualname__}" + (
-                f" of length {len(batch)}" if hasattr(batch, "__len__") else ""
-            )
+            kind = f"a {type(batch).__qualname__}" + (f" of length {len(batch)}" if hasattr(batch, "__len__") else "")
             raise TypeError(
                 f"the default {step} expects (inputs, target) batches; got {kind}. "
                 f"Override {step}() for other batch formats."

@@ -120,6 +120,4 @@ def check_not_empty(stage: str, loaders: Sequence[Any]) -> None:
             continue
         if empty:
             which = f"{stage} dataloader" + (f" #{i}" if len(loaders) > 1 else "")
-            raise ValueError(
-                f"the {which} is empty (0 batches); check the dataset size, batch_size and drop_last"
-            )
+            raise ValueError(f"the {which} is empty (0 batches); check the dataset size, batch_size and drop_last")

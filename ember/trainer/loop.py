@@ -80,9 +80,7 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
     progress.batch_idx = 0
 
 
-def validate_in_fit(
-    trainer: Trainer, module: TrainingModule, loaders: list[Any], limits: list[float]
-) -> None:
+def validate_in_fit(trainer: Trainer, module: TrainingModule, loaders: list[Any], limits: list[float]) -> None:
     """Validation inside fit, leaving every random stream as it found it.
 
     Iterating a DataLoader without its own ``generator`` draws a seed from the

@@ -54,9 +54,7 @@ def optimizer_step(trainer: Trainer, optimizer: Optimizer, closure: Any = None) 
     strategy.precision.unscale_gradients(optimizer)
     trainer.hooks.on_before_optimizer_step(optimizer)
     if trainer.gradient_clip_val is not None and trainer._automatic:
-        strategy.clip_gradients(
-            trainer.model, optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
-        )
+        strategy.clip_gradients(trainer.model, optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
     strategy.optimizer_step(optimizer, closure)
     if trainer._automatic:
         trainer.hooks.on_before_zero_grad(optimizer)
@@ -95,8 +93,7 @@ def _loss_of(output: Any) -> Tensor | None:
     if not isinstance(loss, Tensor):
         raise TypeError(
             "training_step must return a scalar loss tensor, a dict with a 'loss' tensor, or None; "
-            f"got {type(output).__qualname__}"
-            + (" without a 'loss' tensor" if isinstance(output, Mapping) else "")
+            f"got {type(output).__qualname__}" + (" without a 'loss' tensor" if isinstance(output, Mapping) else "")
         )
     if loss.ndim != 0:
         raise ValueError(

@@ -20,9 +20,7 @@ def run_name(module: TrainingModule) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", type(module).__name__).lower()
 
 
-def resolve_loggers(
-    option: bool | Logger | Sequence[Logger] | None, root: str, module: TrainingModule
-) -> list[Logger]:
+def resolve_loggers(option: bool | Logger | Sequence[Logger] | None, root: str, module: TrainingModule) -> list[Logger]:
     """``True``: a CSV logger in ``<root>/<run name>/version_N``; ``False``/``None``: none."""
     if option is True:
         return [CSVLogger(save_dir=root, name=run_name(module))]

@@ -94,17 +94,13 @@ class Trainer:
             or not isinstance(gradient_clip_val, (int, float))
             or gradient_clip_val < 0
         ):
-            raise ValueError(
-                f"gradient_clip_val={gradient_clip_val!r} must be a number >= 0 (0 or None: no clipping)"
-            )
+            raise ValueError(f"gradient_clip_val={gradient_clip_val!r} must be a number >= 0 (0 or None: no clipping)")
         if (
             isinstance(num_sanity_val_steps, bool)
             or not isinstance(num_sanity_val_steps, int)
             or num_sanity_val_steps < -1
         ):
-            raise ValueError(
-                f"num_sanity_val_steps={num_sanity_val_steps!r}: use a batch count >= 0, or -1 for all"
-            )
+            raise ValueError(f"num_sanity_val_steps={num_sanity_val_steps!r}: use a batch count >= 0, or -1 for all")
         if fast_dev_run:
             n = 1 if fast_dev_run is True else int(fast_dev_run)
             _check_positive_int("fast_dev_run", n)
@@ -280,14 +276,10 @@ class Trainer:
         with self._run({"validation": "validate"}.get(stage, stage), module, datamodule):
             resolved = resolve_loaders(stage, loaders, datamodule)
             if not resolved:
-                raise ValueError(
-                    f"{stage} needs data: pass dataloaders or a datamodule with a {stage} dataloader"
-                )
+                raise ValueError(f"{stage} needs data: pass dataloaders or a datamodule with a {stage} dataloader")
             check_not_empty(stage, resolved)
             name = f"limit_{_LIMIT_NAME[stage]}_batches"
-            return loop.run_evaluation(
-                self, module, stage, resolved, [num_batches(d, limit, name) for d in resolved]
-            )
+            return loop.run_evaluation(self, module, stage, resolved, [num_batches(d, limit, name) for d in resolved])
         raise AssertionError("unreachable")  # pragma: no cover  (mypy: _run re-raises)
 
     # --- run setup and teardown -------------------------------------------------
@@ -346,8 +338,7 @@ class Trainer:
         from ember.trainer.optimization import backward, optimizer_step
 
         module._manual_optimizers = [
-            ManualOptimizer(opt, lambda o, closure: optimizer_step(self, o, closure))
-            for opt in self.optimizers
+            ManualOptimizer(opt, lambda o, closure: optimizer_step(self, o, closure)) for opt in self.optimizers
         ]
         module._manual_schedulers = [c.scheduler for c in self.lr_scheduler_configs]
         module._manual_backward_fn = lambda loss: backward(self, loss)
@@ -386,10 +377,7 @@ class Trainer:
         floats = self.last_eval_metrics = to_floats(metrics)
         if num_loaders == 1:
             return [floats]
-        return [
-            {k: v for k, v in floats.items() if k.endswith(f"/dataloader_idx_{i}")}
-            for i in range(num_loaders)
-        ]
+        return [{k: v for k, v in floats.items() if k.endswith(f"/dataloader_idx_{i}")} for i in range(num_loaders)]
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -403,9 +391,7 @@ def _check_val_check_interval(value: Any) -> None:
             f"val_check_interval must be a fraction of an epoch (float) or a batch count (int); got {value!r}"
         )
     if isinstance(value, float) and not 0.0 < value <= 1.0:
-        raise ValueError(
-            f"val_check_interval={value}: a fraction must lie in (0, 1]; use an int for a batch count"
-        )
+        raise ValueError(f"val_check_interval={value}: a fraction must lie in (0, 1]; use an int for a batch count")
     if isinstance(value, int) and value < 1:
         raise ValueError(f"val_check_interval={value}: a batch count must be at least 1")
 
@@ -439,17 +425,11 @@ def _parse_max_time(value: float | str | timedelta | dict[str, int] | None) -> f
     return seconds
 
 
-def _resolve_strategy(
-    strategy: str | Strategy, accelerator: str, devices: int | str, precision: str | int
-) -> Strategy:
+def _resolve_strategy(strategy: str | Strategy, accelerator: str, devices: int | str, precision: str | int) -> Strategy:
     if accelerator not in _ACCELERATORS:
-        raise ValueError(
-            f"accelerator={accelerator!r} is not valid; choose one of: {', '.join(_ACCELERATORS)}"
-        )
+        raise ValueError(f"accelerator={accelerator!r} is not valid; choose one of: {', '.join(_ACCELERATORS)}")
     if accelerator == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            "accelerator='cuda' but CUDA is not available here; use accelerator='cpu' or 'auto'"
-        )
+        raise RuntimeError("accelerator='cuda' but CUDA is not available here; use accelerator='cpu' or 'auto'")
     if devices not in ("auto", 1, "1"):
         raise ValueError(f"devices={devices!r}: this version runs on one device; use devices=1 or 'auto'")
     plugin = resolve_precision(precision)
@@ -457,8 +437,6 @@ def _resolve_strategy(
         strategy.precision = plugin
         return strategy
     if strategy not in ("auto", "single_device"):
-        raise ValueError(
-            f"strategy={strategy!r} is not valid; choose 'auto', 'single_device' or a Strategy instance"
-        )
+        raise ValueError(f"strategy={strategy!r} is not valid; choose 'auto', 'single_device' or a Strategy instance")
     use_cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
     return Strategy("cuda:0" if use_cuda else "cpu", plugin)

@@ -125,9 +125,7 @@ def raw_fit(
 
 
 class Regressor(ember.TrainingModule):
-    def __init__(
-        self, make_optimizer: OptimizerFactory, make_scheduler: SchedulerFactory | None = None
-    ) -> None:
+    def __init__(self, make_optimizer: OptimizerFactory, make_scheduler: SchedulerFactory | None = None) -> None:
         super().__init__()
         self.model = make_mlp()
         self._make_optimizer = make_optimizer
@@ -243,14 +241,10 @@ def test_fit_matches_raw_loop_bitwise(tmp_path):
     dataset = make_dataset(53)  # 53 = 6 * 8 + 5: the last batch is short
     epochs = 3
 
-    raw_model, raw_losses, _, raw_steps = raw_fit(
-        make_train_loader(dataset, 8), epochs, sgd_momentum, step_lr
-    )
+    raw_model, raw_losses, _, raw_steps = raw_fit(make_train_loader(dataset, 8), epochs, sgd_momentum, step_lr)
     raw_rng = torch.get_rng_state()
 
-    module, trainer, recorder = ember_fit(
-        tmp_path, make_train_loader(dataset, 8), epochs, sgd_momentum, step_lr
-    )
+    module, trainer, recorder = ember_fit(tmp_path, make_train_loader(dataset, 8), epochs, sgd_momentum, step_lr)
     ember_rng = torch.get_rng_state()
 
     assert raw_steps == 7 * epochs
@@ -298,9 +292,7 @@ def test_gradient_clipping_matches_raw_loop(tmp_path, algorithm, clip_val):
     def big_lr_sgd(model: nn.Module) -> torch.optim.Optimizer:
         return sgd_momentum(model, lr=0.8)
 
-    raw_model, raw_losses, _, _ = raw_fit(
-        make_train_loader(dataset, 8), epochs, big_lr_sgd, clip=(clip_val, algorithm)
-    )
+    raw_model, raw_losses, _, _ = raw_fit(make_train_loader(dataset, 8), epochs, big_lr_sgd, clip=(clip_val, algorithm))
     module, trainer, recorder = ember_fit(
         tmp_path,
         make_train_loader(dataset, 8),

@@ -26,9 +26,7 @@ class Regressor(ember.TrainingModule):
 
 def loader(n: int = 16) -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(
-        TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size=4
-    )
+    return DataLoader(TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size=4)
 
 
 def test_progress_lines_per_epoch_and_inside(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -72,8 +70,6 @@ def test_model_summary_counts() -> None:
 
 def test_model_summary_prints_at_fit_start() -> None:
     stream = io.StringIO()
-    trainer = ember.Trainer(
-        max_steps=1, callbacks=[ModelSummary(stream)], logger=False, enable_progress_bar=False
-    )
+    trainer = ember.Trainer(max_steps=1, callbacks=[ModelSummary(stream)], logger=False, enable_progress_bar=False)
     trainer.fit(Regressor(), loader())
     assert stream.getvalue() == summarize(Regressor()) + "\n"

@@ -265,9 +265,7 @@ def test_module_without_configure_optimizers(tmp_path: Path) -> None:
         ({"fast_dev_run": -1}, ValueError, r"fast_dev_run must be a positive int"),
     ],
 )
-def test_bad_trainer_option(
-    kwargs: dict[str, Any], error: type[Exception], match: str, tmp_path: Path
-) -> None:
+def test_bad_trainer_option(kwargs: dict[str, Any], error: type[Exception], match: str, tmp_path: Path) -> None:
     with pytest.raises(error, match=match):
         Trainer(default_root_dir=tmp_path, **kwargs)
     assert files_under(tmp_path) == []

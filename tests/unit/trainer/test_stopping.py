@@ -69,9 +69,7 @@ class Recorder(Callback):
         self.train_batches: list[tuple[int, int]] = []  # (epoch, batch_idx)
         self.optimizer_steps = 0
         self.steps_per_epoch: dict[int, int] = {}
-        self.val_runs: list[
-            tuple[int, int]
-        ] = []  # (epoch, index of the last train batch before it; -1 if none)
+        self.val_runs: list[tuple[int, int]] = []  # (epoch, index of the last train batch before it; -1 if none)
         self.sanity_runs = 0
         self.val_batches = 0
         self.sanity_batches = 0
@@ -398,9 +396,7 @@ def test_no_validation_without_val_dataloaders() -> None:
 # --- sanity check --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("steps", "expected_batches", "expected_runs"), [(0, 0, 0), (1, 1, 1), (2, 2, 1), (10, 4, 1)]
-)
+@pytest.mark.parametrize(("steps", "expected_batches", "expected_runs"), [(0, 0, 0), (1, 1, 1), (2, 2, 1), (10, 4, 1)])
 def test_num_sanity_val_steps(steps: int, expected_batches: int, expected_runs: int) -> None:
     rec = Recorder()
     trainer = make_trainer(rec, max_epochs=1, num_sanity_val_steps=steps)

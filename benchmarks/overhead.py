@@ -1,0 +1,123 @@
+"""Per-step overhead of ember over a raw PyTorch loop, measured side by side.
+
+Tiny MLP (32 -> 64 -> 2), batch 32, SGD, one thread, 3 epochs x 256 steps.
+Runs are interleaved (raw, ember minimal, ember defaults, repeated) and the
+median of the repeats is reported, so machine noise hits all variants alike.
+
+    python benchmarks/overhead.py            # full: 5 repeats
+    python benchmarks/overhead.py --short    # CI: 1 repeat of 1 epoch
+
+Goals: ember defaults / raw <= 1.10, ember minimal / raw <= 1.03.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ember
+
+BATCH, STEPS_PER_EPOCH = 32, 256
+
+
+def make_loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH * STEPS_PER_EPOCH, 32, generator=g)
+    y = torch.randint(0, 2, (BATCH * STEPS_PER_EPOCH,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True, generator=g)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 2))
+
+
+class Tiny(ember.TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = make_model()
+        self.loss_fn = nn.CrossEntropyLoss()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss_fn(self.model(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def run_raw(epochs: int) -> float:
+    model, loader, loss_fn = make_model(), make_loader(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    start = time.perf_counter()
+    for _ in range(epochs):
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def run_ember(epochs: int, defaults: bool, root: str) -> float:
+    if defaults:
+        trainer = ember.Trainer(max_epochs=epochs, default_root_dir=root, num_sanity_val_steps=0)
+    else:
+        trainer = ember.Trainer(
+            max_epochs=epochs,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+    module, loader = Tiny(), make_loader()
+    start = time.perf_counter()
+    trainer.fit(module, loader)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--short", action="store_true", help="one repeat of one epoch (for CI)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    epochs, repeats = (1, 1) if args.short else (3, 5)
+    with tempfile.TemporaryDirectory() as root:
+        variants: dict[str, Callable[[], float]] = {
+            "raw": lambda: run_raw(epochs),
+            "ember minimal": lambda: run_ember(epochs, False, root),
+            "ember defaults": lambda: run_ember(epochs, True, root),
+        }
+        for fn in variants.values():  # warm-up: first-call costs (allocator, imports) out of the timing
+            fn()
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(repeats):
+            for name, fn in variants.items():
+                times[name].append(fn())
+    steps = epochs * STEPS_PER_EPOCH
+    raw = statistics.median(times["raw"])
+    print(f"{steps} steps, median of {repeats}; per-step time and ratio to raw")
+    for name, values in times.items():
+        t = statistics.median(values)
+        print(f"  {name:15s} {t / steps * 1e6:8.1f} us/step   x{t / raw:.3f}")
+    minimal = statistics.median(times["ember minimal"]) / raw
+    defaults = statistics.median(times["ember defaults"]) / raw
+    ok = minimal <= 1.03 and defaults <= 1.10
+    verdict = "meets" if ok else "misses"
+    print(f"verdict: {verdict} the goals (minimal x{minimal:.3f} <= 1.03, defaults x{defaults:.3f} <= 1.10)")
+
+
+if __name__ == "__main__":
+    main()
