@@ -1,10 +1,12 @@
 """Per-step overhead of ember over a raw PyTorch loop, measured side by side.
 
 Tiny MLP (32 -> 64 -> 2), batch 32, SGD, one thread, 3 epochs x 256 steps.
-Runs are interleaved (raw, ember minimal, ember defaults, repeated) and the
-median of the repeats is reported, so machine noise hits all variants alike.
+Runs are interleaved (raw, ember minimal, ember defaults, repeated) so machine
+noise hits all variants alike; the ratio uses the best of the repeats per
+variant (as `timeit` does: noise only ever adds time), and the median is shown
+beside it.
 
-    python benchmarks/overhead.py            # full: 5 repeats
+    python benchmarks/overhead.py            # full: 10 repeats
     python benchmarks/overhead.py --short    # CI: 1 repeat of 1 epoch
 
 Goals: ember defaults / raw <= 1.10, ember minimal / raw <= 1.03.
@@ -93,7 +95,7 @@ def main() -> None:
     parser.add_argument("--short", action="store_true", help="one repeat of one epoch (for CI)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    epochs, repeats = (1, 1) if args.short else (3, 5)
+    epochs, repeats = (1, 1) if args.short else (3, 10)
     with tempfile.TemporaryDirectory() as root:
         variants: dict[str, Callable[[], float]] = {
             "raw": lambda: run_raw(epochs),
@@ -107,17 +109,16 @@ def main() -> None:
             for name, fn in variants.items():
                 times[name].append(fn())
     steps = epochs * STEPS_PER_EPOCH
-    raw = statistics.median(times["raw"])
-    print(f"{steps} steps, median of {repeats}; per-step time and ratio to raw")
+    best = {name: min(values) for name, values in times.items()}
+    print(f"{steps} steps per run, {repeats} runs each; per-step time (best, median) and best / raw")
     for name, values in times.items():
-        t = statistics.median(values)
-        print(f"  {name:15s} {t / steps * 1e6:8.1f} us/step   x{t / raw:.3f}")
-    minimal = statistics.median(times["ember minimal"]) / raw
-    defaults = statistics.median(times["ember defaults"]) / raw
-    ok = minimal <= 1.03 and defaults <= 1.10
-    verdict = "meets" if ok else "misses"
+        median = statistics.median(values)
+        ratio = best[name] / best["raw"]
+        print(f"  {name:15s} {best[name] / steps * 1e6:7.1f} us  {median / steps * 1e6:7.1f} us   x{ratio:.3f}")
+    minimal = best["ember minimal"] / best["raw"]
+    defaults = best["ember defaults"] / best["raw"]
+    verdict = "meets" if minimal <= 1.03 and defaults <= 1.10 else "misses"
     print(f"verdict: {verdict} the goals (minimal x{minimal:.3f} <= 1.03, defaults x{defaults:.3f} <= 1.10)")
-
 
 if __name__ == "__main__":
     main()

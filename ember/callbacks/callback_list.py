@@ -107,22 +107,28 @@ class CallbackList:
         self._call("on_train_epoch_end")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._call("on_train_batch_start", batch, batch_idx)
+        for fn in self._table["on_train_batch_start"]:  # per-batch hook: looped inline, no *args packing
+            fn(batch, batch_idx)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._call("on_train_batch_end", outputs, batch, batch_idx)
+        for fn in self._table["on_train_batch_end"]:  # per-batch hook: looped inline, no *args packing
+            fn(outputs, batch, batch_idx)
 
     def on_before_backward(self, loss: Tensor) -> None:
-        self._call("on_before_backward", loss)
+        for fn in self._table["on_before_backward"]:  # per-batch hook: looped inline, no *args packing
+            fn(loss)
 
     def on_after_backward(self) -> None:
-        self._call("on_after_backward")
+        for fn in self._table["on_after_backward"]:  # per-batch hook: looped inline, no *args packing
+            fn()
 
     def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
-        self._call("on_before_optimizer_step", optimizer)
+        for fn in self._table["on_before_optimizer_step"]:  # per-batch hook: looped inline, no *args packing
+            fn(optimizer)
 
     def on_before_zero_grad(self, optimizer: Optimizer) -> None:
-        self._call("on_before_zero_grad", optimizer)
+        for fn in self._table["on_before_zero_grad"]:  # per-batch hook: looped inline, no *args packing
+            fn(optimizer)
 
     # Evaluation hooks are shared by validation, test and predict: the stage
     # name picks the hook, e.g. stage "test" calls on_test_batch_end.

@@ -38,6 +38,7 @@ class Strategy:
     def __init__(self, device: torch.device | str = "cpu", precision: Precision | None = None) -> None:
         self.root_device = torch.device(device)
         self.precision = precision or Precision()
+        self._batches_stay = self.root_device.type == "cpu"  # DataLoaders yield CPU tensors already
 
     # --- topology -----------------------------------------------------------
     @property
@@ -58,8 +59,7 @@ class Strategy:
         return module.to(self.root_device)
 
     def batch_to_device(self, batch: Any) -> Any:
-        # On CPU the DataLoader already yields CPU tensors: skip the walk.
-        if self.root_device.type == "cpu":
+        if self._batches_stay:
             return batch
         return move_to_device(batch, self.root_device)
 

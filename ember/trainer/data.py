@@ -95,12 +95,18 @@ class EpochPlan:
             every = max(1, int(num_batches * val_check_interval))
         return cls(num_batches, accumulate, every)
 
+    @property
+    def _full_windows_end(self) -> float:
+        """Index of the first batch of the short last window (inf for a loader without a length)."""
+        if math.isinf(self.num_batches):
+            return math.inf
+        return int(self.num_batches) // self.accumulate * self.accumulate
+
     def window_size(self, batch_idx: int) -> int:
         """Micro-batches in the accumulation window holding `batch_idx` (the last one may be shorter)."""
-        if math.isinf(self.num_batches):
+        if self.accumulate == 1 or batch_idx < self._full_windows_end:
             return self.accumulate
-        full = int(self.num_batches) // self.accumulate * self.accumulate
-        return self.accumulate if batch_idx < full else int(self.num_batches) - full
+        return int(self.num_batches - self._full_windows_end)
 
     def ends_window(self, batch_idx: int) -> bool:
         return (batch_idx + 1) % self.accumulate == 0 or self.is_last(batch_idx)
