@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ember.loggers.logger import Logger, next_version
+from ember.loggers.logger import Logger
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -21,36 +21,22 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 class CSVLogger(Logger):
-    """Writes one row per logging call to ``<save_dir>/<name>/<version>/metrics.csv``.
+    """Writes one row per logging call to ``metrics.csv`` (and ``hparams.yaml``).
 
-    Columns are ``step``, ``epoch`` (when known) and every metric seen so far;
-    a metric absent from a row is an empty cell. Rows are buffered and written
-    at epoch ends and when the run finishes. ``version=None`` picks the next
-    free ``version_N``; the folder is created on the first write.
+    Columns are ``step``, ``epoch`` and every metric seen so far; a metric
+    absent from a row is an empty cell. Rows are buffered and written at epoch
+    ends, before checkpoints and when the run finishes. Without ``save_dir``
+    the files go into the trainer's run directory. On resume, rows logged
+    after the checkpoint's step are dropped, so the file reads as if the run
+    had never stopped.
     """
 
-    def __init__(self, save_dir: str | os.PathLike[str] = "runs", name: str = "default", version: str | None = None):
-        self._root = Path(save_dir) / name
-        self._name = name
-        self._version = version
+    def __init__(self, save_dir: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(save_dir)
         self._rows: list[dict[str, Any]] = []
         self._columns: list[str] = ["step"]
         self._written = 0
         self._header: list[str] = []
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def version(self) -> str:
-        if self._version is None:
-            self._version = next_version(self._root)
-        return self._version
-
-    @property
-    def log_dir(self) -> Path:
-        return self._root / self.version
 
     @property
     def metrics_path(self) -> Path:
@@ -93,6 +79,18 @@ class CSVLogger(Logger):
 
     def finalize(self, status: str) -> None:
         self.save()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Keep the rows of the resumed run up to `state["step"]`; later ones are replayed."""
+        if not self.metrics_path.exists():
+            return
+        with open(self.metrics_path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            self._columns = list(reader.fieldnames or ["step"])
+            self._rows = [
+                {k: v for k, v in row.items() if v != ""} for row in reader if int(row["step"]) <= state["step"]
+            ]
+        self._header, self._written = [], 0  # rewrite on the next save
 
 
 def _plain(value: Any) -> Any:

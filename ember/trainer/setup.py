@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ember.callbacks.callback import Callback
@@ -20,10 +21,16 @@ def run_name(module: TrainingModule) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", type(module).__name__).lower()
 
 
-def resolve_loggers(option: bool | Logger | Sequence[Logger] | None, root: str, module: TrainingModule) -> list[Logger]:
-    """``True``: a CSV logger in ``<root>/<run name>/version_N``; ``False``/``None``: none."""
+def next_version(root: Path) -> str:
+    """``version_N`` with N one past the highest existing ``version_*`` folder in `root`."""
+    numbers = [int(m.group(1)) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name))]
+    return f"version_{max(numbers, default=-1) + 1}"
+
+
+def resolve_loggers(option: bool | Logger | Sequence[Logger] | None) -> list[Logger]:
+    """``True``: a CSV logger in the run directory; ``False``/``None``: none; else the given ones."""
     if option is True:
-        return [CSVLogger(save_dir=root, name=run_name(module))]
+        return [CSVLogger()]
     if option is False or option is None:
         return []
     loggers = [option] if isinstance(option, Logger) else list(option)

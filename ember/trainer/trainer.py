@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import re
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,13 +25,11 @@ from ember.modules.datamodule import DataModule
 from ember.modules.logging import MetricCollector, to_floats
 from ember.modules.module import TrainingModule
 from ember.modules.optimizers import ManualOptimizer, SchedulerConfig, parse_optimizers
-from ember.strategies.precision import resolve_precision
 from ember.strategies.strategy import Strategy
-from ember.trainer import loop
-from ember.trainer.data import EpochPlan, check_limit, check_not_empty, num_batches, resolve_loaders
+from ember.trainer import loop, options
+from ember.trainer.data import EpochPlan, check_not_empty, num_batches, resolve_loaders
 from ember.trainer.progress import Progress
 
-_ACCELERATORS = ("auto", "cpu", "cuda")
 _LIMIT_NAME = {"validation": "val", "test": "test", "predict": "predict"}
 
 
@@ -72,45 +70,36 @@ class Trainer:
         enable_model_summary: bool = True,
         enable_checkpointing: bool = True,
         default_root_dir: str | os.PathLike[str] = "runs",
+        run_name: str | None = None,
         deterministic: bool = False,
         fast_dev_run: bool | int = False,
         detect_anomaly: bool = False,
     ) -> None:
-        _check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
-        _check_positive_int("log_every_n_steps", log_every_n_steps)
-        _check_positive_int("check_val_every_n_epoch", check_val_every_n_epoch)
-        for name, value in (
-            ("limit_train_batches", limit_train_batches),
-            ("limit_val_batches", limit_val_batches),
-            ("limit_test_batches", limit_test_batches),
-            ("limit_predict_batches", limit_predict_batches),
-        ):
-            check_limit(name, value)
-        if gradient_clip_algorithm not in ("norm", "value"):
-            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}; choose 'norm' or 'value'")
-        _check_val_check_interval(val_check_interval)
-        if gradient_clip_val is not None and (
-            isinstance(gradient_clip_val, bool)
-            or not isinstance(gradient_clip_val, (int, float))
-            or gradient_clip_val < 0
-        ):
-            raise ValueError(f"gradient_clip_val={gradient_clip_val!r} must be a number >= 0 (0 or None: no clipping)")
-        if (
-            isinstance(num_sanity_val_steps, bool)
-            or not isinstance(num_sanity_val_steps, int)
-            or num_sanity_val_steps < -1
-        ):
-            raise ValueError(f"num_sanity_val_steps={num_sanity_val_steps!r}: use a batch count >= 0, or -1 for all")
+        options.check(
+            accumulate_grad_batches=accumulate_grad_batches,
+            log_every_n_steps=log_every_n_steps,
+            check_val_every_n_epoch=check_val_every_n_epoch,
+            limits={
+                "limit_train_batches": limit_train_batches,
+                "limit_val_batches": limit_val_batches,
+                "limit_test_batches": limit_test_batches,
+                "limit_predict_batches": limit_predict_batches,
+            },
+            gradient_clip_val=gradient_clip_val,
+            gradient_clip_algorithm=gradient_clip_algorithm,
+            val_check_interval=val_check_interval,
+            num_sanity_val_steps=num_sanity_val_steps,
+        )
         if fast_dev_run:
             n = 1 if fast_dev_run is True else int(fast_dev_run)
-            _check_positive_int("fast_dev_run", n)
+            options.check_positive_int("fast_dev_run", n)
             max_epochs, max_steps, num_sanity_val_steps, val_check_interval = 1, n, 0, 1.0
             limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n
             logger, enable_checkpointing = False, False
         self.max_epochs = 1000 if max_epochs is None and max_steps == -1 else max_epochs
         self.max_steps = max_steps
-        self.max_time_s = _parse_max_time(max_time)
-        self.strategy = _resolve_strategy(strategy, accelerator, devices, precision)
+        self.max_time_s = options.parse_max_time(max_time)
+        self.strategy = options.resolve_strategy(strategy, accelerator, devices, precision)
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val = gradient_clip_val or None  # 0: no clipping, as in Lightning
         self.gradient_clip_algorithm = gradient_clip_algorithm
@@ -128,6 +117,10 @@ class Trainer:
         self.enable_model_summary = enable_model_summary
         self.enable_checkpointing = enable_checkpointing
         self.default_root_dir = os.fspath(default_root_dir)
+        self.run_name = run_name
+        #: The resolved config of a run launched from YAML; saved as config.yaml, in checkpoints, and as hparams.
+        self.run_config: dict[str, Any] | None = None
+        self._run_dir: Path | None = None
         self.deterministic = deterministic
         self.fast_dev_run = fast_dev_run
         self.detect_anomaly = detect_anomaly
@@ -197,10 +190,21 @@ class Trainer:
         return self.loggers[0] if self.loggers else None
 
     @property
-    def log_dir(self) -> str:
-        """The run directory: the first logger's folder, else ``default_root_dir``."""
-        path = self.logger.log_dir if self.logger is not None else None
-        return os.fspath(path) if path is not None else self.default_root_dir
+    def run_dir(self) -> Path:
+        """``<default_root_dir>/<run name>/version_N``: config, checkpoints and logs of this run.
+
+        Fixed when the first fit/validate/test/predict starts (created on the
+        first write); the run name is ``run_name`` or the module class in
+        snake_case.
+        """
+        if self._run_dir is None:
+            raise RuntimeError("trainer.run_dir is set when fit/validate/test/predict starts")
+        return self._run_dir
+
+    @property
+    def log_dir(self) -> Path:
+        """Alias of `run_dir`."""
+        return self.run_dir
 
     @property
     def is_global_zero(self) -> bool:
@@ -287,13 +291,18 @@ class Trainer:
     def _run(self, stage: str, module: TrainingModule, datamodule: DataModule | None) -> Iterator[None]:
         if not isinstance(module, TrainingModule):
             raise TypeError(f"expected an ember.TrainingModule, got {type(module).__qualname__}")
-        from ember.trainer.setup import default_callbacks, resolve_loggers
+        from ember.trainer.setup import default_callbacks, next_version, resolve_loggers, run_name
 
         # What can reject the run comes first, so a rejected run leaves the trainer idle.
         hooks = CallbackList(self, module, [*self.user_callbacks, *default_callbacks(self)])
-        if self._logger_option is not None and not self._loggers_resolved:
-            self.loggers = resolve_loggers(self._logger_option, self.default_root_dir, module)
+        if not self._loggers_resolved:
+            self.loggers = resolve_loggers(self._logger_option)
             self._loggers_resolved = True
+        if self._run_dir is None:
+            root = Path(self.default_root_dir) / (self.run_name or run_name(module))
+            self._run_dir = root / next_version(root)
+        for logger in self.loggers:
+            logger.attach(self._run_dir)
         self.stage = stage
         self.should_stop = False
         self._module = module
@@ -378,65 +387,3 @@ class Trainer:
         if num_loaders == 1:
             return [floats]
         return [{k: v for k, v in floats.items() if k.endswith(f"/dataloader_idx_{i}")} for i in range(num_loaders)]
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int; got {value!r}")
-
-
-def _check_val_check_interval(value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            f"val_check_interval must be a fraction of an epoch (float) or a batch count (int); got {value!r}"
-        )
-    if isinstance(value, float) and not 0.0 < value <= 1.0:
-        raise ValueError(f"val_check_interval={value}: a fraction must lie in (0, 1]; use an int for a batch count")
-    if isinstance(value, int) and value < 1:
-        raise ValueError(f"val_check_interval={value}: a batch count must be at least 1")
-
-
-def _parse_max_time(value: float | str | timedelta | dict[str, int] | None) -> float | None:
-    if value is None:
-        return None
-    seconds: float | None = None
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, dict):
-        try:
-            seconds = timedelta(**value).total_seconds()
-        except TypeError:
-            raise ValueError(
-                f"max_time={value!r}: dict keys must be timedelta fields "
-                "(days, hours, minutes, seconds, milliseconds, ...)"
-            ) from None
-    elif isinstance(value, str):
-        match = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", value)
-        if not match:
-            raise ValueError(f"max_time={value!r}: use 'DD:HH:MM:SS', seconds, or a timedelta")
-        d, h, m, s = map(int, match.groups())
-        seconds = timedelta(days=d, hours=h, minutes=m, seconds=s).total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    if seconds is None or not seconds > 0:
-        raise ValueError(
-            f"max_time={value!r}: use a positive budget: seconds (> 0), 'DD:HH:MM:SS', a timedelta or a dict"
-        )
-    return seconds
-
-
-def _resolve_strategy(strategy: str | Strategy, accelerator: str, devices: int | str, precision: str | int) -> Strategy:
-    if accelerator not in _ACCELERATORS:
-        raise ValueError(f"accelerator={accelerator!r} is not valid; choose one of: {', '.join(_ACCELERATORS)}")
-    if accelerator == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("accelerator='cuda' but CUDA is not available here; use accelerator='cpu' or 'auto'")
-    if devices not in ("auto", 1, "1"):
-        raise ValueError(f"devices={devices!r}: this version runs on one device; use devices=1 or 'auto'")
-    plugin = resolve_precision(precision)
-    if isinstance(strategy, Strategy):
-        strategy.precision = plugin
-        return strategy
-    if strategy not in ("auto", "single_device"):
-        raise ValueError(f"strategy={strategy!r} is not valid; choose 'auto', 'single_device' or a Strategy instance")
-    use_cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
-    return Strategy("cuda:0" if use_cuda else "cpu", plugin)

@@ -1,9 +1,11 @@
-"""CSVLogger: versioned folders, a header that grows, atomic rewrites, hparams.yaml."""
+"""CSVLogger: a header that grows, appends and atomic rewrites, hparams.yaml, resume."""
 
 from __future__ import annotations
 
 import csv
 from pathlib import Path
+
+import pytest
 
 from ember.loggers import CSVLogger
 
@@ -14,43 +16,47 @@ def read_rows(path: Path) -> list[dict[str, str]]:
 
 
 def test_rows_and_growing_header(tmp_path: Path) -> None:
-    logger = CSVLogger(save_dir=tmp_path, name="run")
-    assert logger.version == "version_0"
+    logger = CSVLogger(save_dir=tmp_path)
     logger.log_metrics({"train/loss": 0.5}, step=1)
     logger.save()
     logger.log_metrics({"train/loss": 0.25, "val/acc": 0.75}, step=2)
     logger.finalize("success")
-    rows = read_rows(tmp_path / "run" / "version_0" / "metrics.csv")
+    rows = read_rows(tmp_path / "metrics.csv")
     assert rows == [
         {"step": "1", "train/loss": "0.5", "val/acc": ""},
         {"step": "2", "train/loss": "0.25", "val/acc": "0.75"},
     ]
-    assert not list((tmp_path / "run" / "version_0").glob("*.tmp"))
+    assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_versions_increment(tmp_path: Path) -> None:
-    (tmp_path / "run" / "version_0").mkdir(parents=True)
-    (tmp_path / "run" / "version_3").mkdir()
-    (tmp_path / "run" / "version_x").mkdir()
-    assert CSVLogger(save_dir=tmp_path, name="run").version == "version_4"
-    assert CSVLogger(save_dir=tmp_path, name="run", version="mine").log_dir == tmp_path / "run" / "mine"
+def test_without_save_dir_it_writes_into_the_attached_run_dir(tmp_path: Path) -> None:
+    logger = CSVLogger()
+    with pytest.raises(RuntimeError, match="no save_dir yet"):
+        _ = logger.log_dir
+    logger.attach(tmp_path / "run" / "version_3")
+    logger.log_metrics({"a": 1.0}, step=1)
+    logger.save()
+    assert (tmp_path / "run" / "version_3" / "metrics.csv").exists()
+    explicit = CSVLogger(save_dir=tmp_path / "mine")
+    explicit.attach(tmp_path / "ignored")
+    assert explicit.log_dir == tmp_path / "mine"
 
 
 def test_hparams_yaml(tmp_path: Path) -> None:
-    logger = CSVLogger(save_dir=tmp_path, name="run")
+    logger = CSVLogger(save_dir=tmp_path)
     logger.log_hyperparams({"lr": 0.1, "layers": [1, 2], "act": object})
     text = (logger.log_dir / "hparams.yaml").read_text()
     assert "lr: 0.1" in text and "- 1" in text and "act: <class 'object'>" in text
 
 
 def test_nothing_written_without_rows(tmp_path: Path) -> None:
-    logger = CSVLogger(save_dir=tmp_path, name="run")
+    logger = CSVLogger(save_dir=tmp_path / "run")
     logger.finalize("success")
     assert not (tmp_path / "run").exists()
 
 
 def test_appends_when_columns_are_unchanged(tmp_path: Path) -> None:
-    logger = CSVLogger(save_dir=tmp_path, name="run")
+    logger = CSVLogger(save_dir=tmp_path)
     for step in range(1, 4):
         logger.log_metrics({"a": float(step)}, step=step)
         logger.save()
@@ -60,3 +66,21 @@ def test_appends_when_columns_are_unchanged(tmp_path: Path) -> None:
     assert [r["a"] for r in rows] == ["1.0", "2.0", "3.0", "4.0"]
     assert [r["b"] for r in rows] == ["", "", "", "1.0"]
     assert logger.metrics_path.read_text().count("step") == 1
+
+
+def test_resume_drops_rows_after_the_checkpoint_step(tmp_path: Path) -> None:
+    first = CSVLogger(save_dir=tmp_path)
+    for step in range(1, 6):
+        first.log_metrics({"a": float(step)}, step=step)
+    first.finalize("failed")
+    resumed = CSVLogger(save_dir=tmp_path)
+    resumed.load_state_dict({"step": 3})
+    resumed.log_metrics({"a": 40.0, "b": 1.0}, step=4)
+    resumed.finalize("success")
+    rows = read_rows(tmp_path / "metrics.csv")
+    assert [(r["step"], r["a"], r["b"]) for r in rows] == [
+        ("1", "1.0", ""),
+        ("2", "2.0", ""),
+        ("3", "3.0", ""),
+        ("4", "40.0", "1.0"),
+    ]

@@ -361,7 +361,7 @@ def test_log_every_n_steps_controls_csv_rows(tmp_path):
         m.log("train/e", batch[0][:, 0].mean(), on_step=False, on_epoch=True)
 
     data = loader(20, batch_size=4)  # 5 batches per epoch
-    logger = CSVLogger(save_dir=tmp_path, name="x")
+    logger = CSVLogger(save_dir=tmp_path / "x")
     trainer = ember.Trainer(
         max_epochs=2,
         log_every_n_steps=2,
@@ -371,7 +371,7 @@ def test_log_every_n_steps_controls_csv_rows(tmp_path):
         enable_checkpointing=False,
     )
     trainer.fit(Recorder(train_log=train_log), data)
-    path = tmp_path / "x" / "version_0" / "metrics.csv"
+    path = tmp_path / "x" / "metrics.csv"
     assert logger.metrics_path == path
     rows = read_csv(path)
 
@@ -401,7 +401,7 @@ def test_log_every_n_steps_row_steps(tmp_path, every, steps):
     def train_log(m, batch, batch_idx, loss):
         m.log("train/step_seen", float(m.global_step))  # global_step before this step
 
-    logger = CSVLogger(save_dir=tmp_path, name="x")
+    logger = CSVLogger(save_dir=tmp_path / "x")
     trainer = ember.Trainer(
         max_epochs=2,
         log_every_n_steps=every,
@@ -423,7 +423,7 @@ def test_val_metrics_go_to_the_logger(tmp_path):
     def val_log(m, batch, batch_idx, dl_idx):
         m.log("val/x0", batch[0][:, 0].mean())
 
-    logger = CSVLogger(save_dir=tmp_path, name="x")
+    logger = CSVLogger(save_dir=tmp_path / "x")
     trainer = ember.Trainer(
         max_epochs=2,
         log_every_n_steps=100,

@@ -1,0 +1,105 @@
+"""Checking and normalising `Trainer` options: every bad value fails here, before any work."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ember.strategies.precision import resolve_precision
+from ember.strategies.strategy import Strategy
+from ember.trainer.data import check_limit
+
+_ACCELERATORS = ("auto", "cpu", "cuda")
+
+
+def check(
+    *,
+    accumulate_grad_batches: int,
+    log_every_n_steps: int,
+    check_val_every_n_epoch: int,
+    limits: dict[str, float | int],
+    gradient_clip_val: float | None,
+    gradient_clip_algorithm: str,
+    val_check_interval: float | int,
+    num_sanity_val_steps: int,
+) -> None:
+    """Raise on the first bad value, with a message that names the option and the fix."""
+    check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
+    check_positive_int("log_every_n_steps", log_every_n_steps)
+    check_positive_int("check_val_every_n_epoch", check_val_every_n_epoch)
+    for name, value in limits.items():
+        check_limit(name, value)
+    if gradient_clip_algorithm not in ("norm", "value"):
+        raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}; choose 'norm' or 'value'")
+    check_val_check_interval(val_check_interval)
+    if gradient_clip_val is not None and (
+        isinstance(gradient_clip_val, bool) or not isinstance(gradient_clip_val, (int, float)) or gradient_clip_val < 0
+    ):
+        raise ValueError(f"gradient_clip_val={gradient_clip_val!r} must be a number >= 0 (0 or None: no clipping)")
+    if isinstance(num_sanity_val_steps, bool) or not isinstance(num_sanity_val_steps, int) or num_sanity_val_steps < -1:
+        raise ValueError(f"num_sanity_val_steps={num_sanity_val_steps!r}: use a batch count >= 0, or -1 for all")
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+
+
+def check_val_check_interval(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"val_check_interval must be a fraction of an epoch (float) or a batch count (int); got {value!r}"
+        )
+    if isinstance(value, float) and not 0.0 < value <= 1.0:
+        raise ValueError(f"val_check_interval={value}: a fraction must lie in (0, 1]; use an int for a batch count")
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"val_check_interval={value}: a batch count must be at least 1")
+
+
+def parse_max_time(value: float | str | timedelta | dict[str, int] | None) -> float | None:
+    if value is None:
+        return None
+    seconds: float | None = None
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, dict):
+        try:
+            seconds = timedelta(**value).total_seconds()
+        except TypeError:
+            raise ValueError(
+                f"max_time={value!r}: dict keys must be timedelta fields "
+                "(days, hours, minutes, seconds, milliseconds, ...)"
+            ) from None
+    elif isinstance(value, str):
+        match = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", value)
+        if not match:
+            raise ValueError(f"max_time={value!r}: use 'DD:HH:MM:SS', seconds, or a timedelta")
+        d, h, m, s = map(int, match.groups())
+        seconds = timedelta(days=d, hours=h, minutes=m, seconds=s).total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    if seconds is None or not seconds > 0:
+        raise ValueError(
+            f"max_time={value!r}: use a positive budget: seconds (> 0), 'DD:HH:MM:SS', a timedelta or a dict"
+        )
+    return seconds
+
+
+def resolve_strategy(strategy: str | Strategy, accelerator: str, devices: int | str, precision: str | int) -> Strategy:
+    if accelerator not in _ACCELERATORS:
+        raise ValueError(f"accelerator={accelerator!r} is not valid; choose one of: {', '.join(_ACCELERATORS)}")
+    if accelerator == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("accelerator='cuda' but CUDA is not available here; use accelerator='cpu' or 'auto'")
+    if devices not in ("auto", 1, "1"):
+        raise ValueError(f"devices={devices!r}: this version runs on one device; use devices=1 or 'auto'")
+    plugin = resolve_precision(precision)
+    if isinstance(strategy, Strategy):
+        strategy.precision = plugin
+        return strategy
+    if strategy not in ("auto", "single_device"):
+        raise ValueError(f"strategy={strategy!r} is not valid; choose 'auto', 'single_device' or a Strategy instance")
+    use_cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
+    return Strategy("cuda:0" if use_cuda else "cpu", plugin)
