@@ -11,7 +11,8 @@ from typing import Any
 from ember.loggers.logger import Logger
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` beside `path`, fsync, then rename over it: readers never see half a file."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8", newline="") as f:
         f.write(text)
@@ -54,7 +55,7 @@ class CSVLogger(Logger):
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
         text = OmegaConf.to_yaml(OmegaConf.create(_plain(params)))
-        _write_atomic(self.log_dir / "hparams.yaml", text)
+        write_atomic(self.log_dir / "hparams.yaml", text)
 
     def save(self) -> None:
         if len(self._rows) == self._written:
@@ -70,7 +71,7 @@ class CSVLogger(Logger):
             writer = self._writer(buffer)
             writer.writeheader()
             writer.writerows(self._rows)
-            _write_atomic(self.metrics_path, buffer.getvalue())
+            write_atomic(self.metrics_path, buffer.getvalue())
             self._header = list(self._columns)
         self._written = len(self._rows)
 

@@ -242,9 +242,7 @@ class Trainer:
             )
             self.num_val_batches = [num_batches(v, self.limit_val_batches, "limit_val_batches") for v in val]
             self._setup_optimizers(module)
-            if module.hparams and self.is_global_zero:
-                for logger in self.loggers:
-                    logger.log_hyperparams(dict(module.hparams))
+            self._record_hyperparameters(module)
             self._clock = loop.Clock(self.max_time_s)
             if self.epoch_plan.num_batches == 0:
                 return  # limit_train_batches=0 disables training
@@ -332,6 +330,22 @@ class Trainer:
                 datamodule.teardown(stage)
             self.strategy.teardown()
             self.stage = None
+
+    def _record_hyperparameters(self, module: TrainingModule) -> None:
+        """Write the resolved config to ``config.yaml`` and give the loggers the run's hyperparameters."""
+        if not self.is_global_zero:
+            return
+        if self.run_config is not None:
+            from omegaconf import OmegaConf
+
+            from ember.loggers.csv import write_atomic
+
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(self.run_config)))
+        params = self.run_config if self.run_config is not None else dict(module.hparams)
+        if params:
+            for logger in self.loggers:
+                logger.log_hyperparams(params)
 
     def _setup_optimizers(self, module: TrainingModule) -> None:
         setup = parse_optimizers(module.configure_optimizers())
