@@ -49,8 +49,11 @@ class CallbackList:
     """Calls a hook on the module first, then on each callback in order."""
 
     def __init__(self, trainer: Trainer, module: TrainingModule, callbacks: Sequence[Callback]) -> None:
+        from ember.callbacks.model_checkpoint import ModelCheckpoint
         from ember.modules.module import TrainingModule
 
+        # Checkpoint callbacks go last, so a checkpoint holds every other callback's state after the hook.
+        callbacks = sorted(callbacks, key=lambda cb: isinstance(cb, ModelCheckpoint))
         check_hook_names(module, TrainingModule)
         for callback in callbacks:
             if not isinstance(callback, Callback):

@@ -168,6 +168,33 @@ class MetricCollector:
             self._batch_size = infer_batch_size(self.current_batch)
         return self._batch_size
 
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch aggregates so far (for a resume inside an epoch); torchmetrics objects are not included."""
+        entries = {}
+        for key, e in self._entries.items():
+            if e.metric is None:
+                entries[key] = {
+                    "on_step": e.on_step,
+                    "on_epoch": e.on_epoch,
+                    "prog_bar": e.prog_bar,
+                    "reduce_fx": e.reduce_fx,
+                    "sync_dist": e.sync_dist,
+                    "total": e.total,
+                    "weight": e.weight,
+                }
+        return {"stage": self.stage, "entries": entries, "step_values": dict(self.step_values)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stage = state["stage"]
+        self._entries = {key: _Entry(**fields) for key, fields in state["entries"].items()}
+        self.step_values = dict(state["step_values"])
+        self.prog_bar_names.update(
+            _insert_before_suffix(k, tag, _suffix_of(k))
+            for k, e in self._entries.items()
+            if e.prog_bar
+            for tag in (("_step", "_epoch") if e.on_step and e.on_epoch else ("",))
+        )
+
     def epoch_values(self) -> dict[str, Tensor]:
         """Aggregate every on_epoch entry; metrics are computed and reset."""
         out: dict[str, Tensor] = {}

@@ -14,12 +14,14 @@ A module may also define any hook of `ember.Callback`, without the
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import Self
 
 from ember.modules.hparams import AttributeDict, collect_init_args
 
@@ -37,6 +39,9 @@ class TrainingModule(nn.Module):
     automatic_optimization: bool = True
     #: An example input (e.g. ``torch.zeros(1, 64)``) used by summaries and exports.
     example_input_array: Any = None
+    #: ``{"optimizer": {_target_, kwargs}, "lr_scheduler": {...} | None}`` from a YAML config (set by
+    #: ``ember fit``); the default `configure_optimizers` builds it.
+    optimizer_config: dict[str, Any] | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -83,6 +88,40 @@ class TrainingModule(nn.Module):
     def current_epoch(self) -> int:
         """Index of the current training epoch, starting at 0 (0 outside a trainer)."""
         return self._trainer.current_epoch if self._trainer is not None else 0
+
+    # --- checkpoints ---------------------------------------------------------------
+    @classmethod
+    def load_from_checkpoint(cls, path: str | os.PathLike[str], **overrides: Any) -> Self:
+        """Rebuild the module from a checkpoint's saved hyperparameters and load its weights.
+
+        ``overrides`` replace saved hyperparameters (or supply ones that were
+        not saved, e.g. a backbone passed with ``ignore=``). The module is
+        returned in eval mode, on the CPU. Nothing in the checkpoint is executed:
+        it is read with ``weights_only`` semantics.
+        """
+        from pathlib import Path
+
+        from ember import checkpoint
+
+        where = Path(path)
+        meta, weights = checkpoint.read_module_state(where)
+        try:
+            module = cls(**{**meta.get("hparams", {}), **overrides})
+        except TypeError as exc:
+            raise TypeError(
+                f"cannot rebuild {cls.__qualname__} from checkpoint {where} (saved from {meta.get('module_class')}): "
+                f"{exc}. Pass the missing arguments to load_from_checkpoint(path, name=value)"
+            ) from None
+        checkpoint.load_weights_into(module, weights, where, meta.get("module_class"))
+        return module.eval()
+
+    def save_weights(self, path: str | os.PathLike[str]) -> None:
+        """One-file export of the weights (a ``torch.save``d state dict), written atomically."""
+        from pathlib import Path
+
+        from ember import checkpoint
+
+        checkpoint.save_weights(Path(path), self.state_dict())
 
     # --- hyperparameters --------------------------------------------------------
     @property
@@ -165,8 +204,14 @@ class TrainingModule(nn.Module):
     def configure_optimizers(self) -> Any:
         """Return an optimizer, a list of them, or ``{"optimizer", "lr_scheduler"}`` dicts.
 
-        See `ember.modules.optimizers` for every accepted form.
+        See `ember.modules.optimizers` for every accepted form. Without an override, the optimizer
+        and scheduler of `optimizer_config` (a YAML config's ``optimizer`` and ``lr_scheduler``
+        sections) are built over ``self.parameters()``.
         """
+        if self.optimizer_config is not None:
+            from ember.config import build_optimizers
+
+            return build_optimizers(self.parameters(), self.optimizer_config)
         raise NotImplementedError(
             f"{type(self).__qualname__} does not define configure_optimizers(); add one, e.g. "
             "`def configure_optimizers(self): return torch.optim.AdamW(self.parameters(), lr=1e-3)`"

@@ -10,12 +10,14 @@ import math
 import random
 import sys
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ember.trainer.data import EpochPlan, limited
 from ember.trainer.optimization import optimizer_step, run_training_batch, step_schedulers
+from ember.trainer.resume import capture_epoch_start, islice_from, open_resumed_epoch, restore_rng
 
 if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
@@ -35,8 +37,12 @@ def run_fit(trainer: Trainer, module: TrainingModule, train_loader: Any, val_loa
         trainer.sanity_checking = False
     module.train()
     hooks.on_train_start()
-    while not trainer._fit_is_done():
-        run_train_epoch(trainer, module, train_loader, val_loaders)
+    trainer._in_train_loop = True
+    try:
+        while not trainer._fit_is_done():
+            run_train_epoch(trainer, module, train_loader, val_loaders)
+    finally:
+        trainer._in_train_loop = False
     hooks.on_train_end()
     hooks.on_fit_end()
 
@@ -45,10 +51,13 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
     hooks, progress, collector = trainer.hooks, trainer.progress, trainer.train_collector
     plan: EpochPlan = trainer.epoch_plan
     validates = any(trainer.num_val_batches) and (progress.epoch + 1) % trainer.check_val_every_n_epoch == 0
-    collector.start_epoch("train")
+    start = progress.batch_idx  # > 0 only when resuming inside this epoch
+    if start == 0:
+        collector.start_epoch("train")
+        progress.validated_after = -1
     hooks.on_train_epoch_start()
-    batch_idx, validated = -1, False
-    for batch_idx, batch in enumerate(limited(loader, plan.num_batches)):
+    batches = open_epoch(trainer, loader, start)
+    for batch_idx, batch in islice_from(batches, start, plan.num_batches):
         batch = trainer.strategy.batch_to_device(batch)
         collector.start_batch(batch)
         hooks.on_train_batch_start(batch, batch_idx)
@@ -57,19 +66,20 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
             trainer, module, batch, batch_idx, plan.window_size(batch_idx), plan.ends_window(batch_idx)
         )
         progress.batch_idx = batch_idx + 1
-        hooks.on_train_batch_end(outputs, batch, batch_idx)
-        stepped = progress.global_step != steps_before
-        if stepped and progress.global_step % trainer.log_every_n_steps == 0:
+        if progress.global_step != steps_before and progress.global_step % trainer.log_every_n_steps == 0:
             trainer._log_metrics(collector.step_values)
-        validated = validates and plan.validates_after(batch_idx)
-        if validated:
-            validate_in_fit(trainer, module, val_loaders, trainer.num_val_batches)
-        if plan.ends_window(batch_idx) and trainer._should_stop_in_epoch():
-            break
+        hooks.on_train_batch_end(outputs, batch, batch_idx)
+        if validates and plan.validates_after(batch_idx):
+            validate_after(trainer, module, val_loaders, batch_idx)
+        if plan.ends_window(batch_idx):
+            trainer._at_boundary()  # pending checkpoints are written here; preemption acts here
+            if trainer._should_stop_in_epoch():
+                break
     if trainer._window_has_grads:  # a loader without a length ended inside an accumulation window
         optimizer_step(trainer, trainer.optimizers[0])
-    if validates and batch_idx >= 0 and not validated:  # stopped mid-epoch: evaluate the final weights
-        validate_in_fit(trainer, module, val_loaders, trainer.num_val_batches)
+    last = progress.batch_idx - 1
+    if validates and last >= 0 and progress.validated_after != last:  # stopped early: evaluate the final weights
+        validate_after(trainer, module, val_loaders, last)
     epoch_values = collector.epoch_values()
     trainer._epoch_metrics.update(epoch_values)  # visible in on_train_epoch_end and to epoch schedulers
     hooks.on_train_epoch_end()
@@ -78,6 +88,25 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
         step_schedulers(trainer, "epoch")
     progress.epoch += 1
     progress.batch_idx = 0
+    trainer._at_boundary()
+
+
+def open_epoch(trainer: Trainer, loader: Any, start: int) -> Iterator[Any]:
+    """The epoch's batch iterator; on resume, positioned after `start` batches with the step's RNG restored."""
+    rng, trainer._resume_rng = trainer._resume_rng, None
+    if start == 0:
+        if rng is not None:
+            restore_rng(rng)
+        trainer.epoch_start_state = capture_epoch_start(loader)
+        return iter(loader)
+    assert rng is not None, "a run inside an epoch always comes from a checkpoint"
+    return open_resumed_epoch(loader, start, trainer.epoch_start_state, rng)
+
+
+def validate_after(trainer: Trainer, module: TrainingModule, loaders: list[Any], batch_idx: int) -> None:
+    """The validation due after training batch `batch_idx` (recorded first, so a checkpoint inside counts it)."""
+    trainer.progress.validated_after = batch_idx
+    validate_in_fit(trainer, module, loaders, trainer.num_val_batches)
 
 
 def validate_in_fit(trainer: Trainer, module: TrainingModule, loaders: list[Any], limits: list[float]) -> None:

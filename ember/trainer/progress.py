@@ -13,11 +13,14 @@ class Progress:
     - ``epoch``: index of the current training epoch (0-based).
     - ``global_step``: optimizer steps taken since the run began.
     - ``batch_idx``: micro-batches finished in the current epoch.
+    - ``validated_after``: index of the batch after which validation last ran in
+      this epoch (-1: not yet), so a resumed run neither repeats nor skips it.
     """
 
     epoch: int = 0
     global_step: int = 0
     batch_idx: int = 0
+    validated_after: int = -1
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)

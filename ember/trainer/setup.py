@@ -42,6 +42,7 @@ def resolve_loggers(option: bool | Logger | Sequence[Logger] | None) -> list[Log
 
 def default_callbacks(trainer: Trainer) -> list[Callback]:
     """Built-in callbacks the options ask for, unless the user passed one of the same kind."""
+    from ember.callbacks.model_checkpoint import ModelCheckpoint
     from ember.callbacks.model_summary import ModelSummary
     from ember.callbacks.progress import ProgressLine
 
@@ -51,4 +52,6 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
         wanted.append(ModelSummary())
     if trainer.enable_progress_bar and ProgressLine not in present:
         wanted.append(ProgressLine())
+    if trainer.enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in trainer.user_callbacks):
+        wanted.append(ModelCheckpoint())
     return wanted

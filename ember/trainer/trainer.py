@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator, Sequence
+import signal
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from ember.modules.logging import MetricCollector, to_floats
 from ember.modules.module import TrainingModule
 from ember.modules.optimizers import ManualOptimizer, SchedulerConfig, parse_optimizers
 from ember.strategies.strategy import Strategy
-from ember.trainer import loop, options
+from ember.trainer import checkpointing, loop, options, signals
 from ember.trainer.data import EpochPlan, check_not_empty, num_batches, resolve_loaders
 from ember.trainer.progress import Progress
 
@@ -71,6 +72,7 @@ class Trainer:
         enable_checkpointing: bool = True,
         default_root_dir: str | os.PathLike[str] = "runs",
         run_name: str | None = None,
+        requeue_signal: str | int | None = "SIGUSR1",
         deterministic: bool = False,
         fast_dev_run: bool | int = False,
         detect_anomaly: bool = False,
@@ -118,6 +120,7 @@ class Trainer:
         self.enable_checkpointing = enable_checkpointing
         self.default_root_dir = os.fspath(default_root_dir)
         self.run_name = run_name
+        self.requeue_signal = signals.resolve_signal(requeue_signal)
         #: The resolved config of a run launched from YAML; saved as config.yaml, in checkpoints, and as hparams.
         self.run_config: dict[str, Any] | None = None
         self._run_dir: Path | None = None
@@ -146,6 +149,14 @@ class Trainer:
         self._automatic = True
         self._clock = loop.Clock(None)
         self._module: TrainingModule | None = None
+        self.datamodule: DataModule | None = None
+        self._ckpt: Path | None = None
+        #: Generator states the current training epoch's DataLoader iterator drew from (for exact resume).
+        self.epoch_start_state: dict[str, Any] | None = None
+        self._resume_rng: dict[str, Any] | None = None
+        self._writer = checkpointing.CheckpointWriter()
+        self._in_train_loop = False
+        self._preemption = signals.PreemptionFlag([])
         self._model: nn.Module | None = None
         self.hooks: CallbackList
 
@@ -222,9 +233,16 @@ class Trainer:
         train_dataloaders: Any = None,
         val_dataloaders: Any = None,
         datamodule: DataModule | None = None,
+        ckpt_path: str | os.PathLike[str] | None = None,
     ) -> None:
-        """Train `module` until a stop condition holds (see the class docstring)."""
-        with self._run("fit", module, datamodule):
+        """Train `module` until a stop condition holds (see the class docstring).
+
+        ``ckpt_path`` resumes exactly from a checkpoint directory, from ``"last"``
+        (the newest complete checkpoint of the newest run with this run name;
+        training starts fresh, with an info line, when there is none) or from
+        ``"best"`` (the best checkpoint of `ModelCheckpoint`).
+        """
+        with self._run("fit", module, datamodule, ckpt_path):
             train = resolve_loaders("train", train_dataloaders, datamodule)
             if not train:
                 raise ValueError(
@@ -242,6 +260,8 @@ class Trainer:
             )
             self.num_val_batches = [num_batches(v, self.limit_val_batches, "limit_val_batches") for v in val]
             self._setup_optimizers(module)
+            if self._ckpt is not None:
+                self._resume_from(module, self._ckpt)
             self._record_hyperparameters(module)
             self._clock = loop.Clock(self.max_time_s)
             if self.epoch_plan.num_batches == 0:
@@ -249,22 +269,37 @@ class Trainer:
             loop.run_fit(self, module, train[0], val)
 
     def validate(
-        self, module: TrainingModule, dataloaders: Any = None, datamodule: DataModule | None = None
+        self,
+        module: TrainingModule,
+        dataloaders: Any = None,
+        datamodule: DataModule | None = None,
+        ckpt_path: str | os.PathLike[str] | None = None,
     ) -> list[dict[str, float]]:
-        """Run one validation epoch; returns one dict of epoch metrics per dataloader."""
-        return self._evaluate("validation", module, dataloaders, datamodule, self.limit_val_batches)
+        """Run one validation epoch; returns one dict of epoch metrics per dataloader.
+
+        ``ckpt_path`` (a path, ``"last"`` or ``"best"``) loads those weights first.
+        """
+        return self._evaluate("validation", module, dataloaders, datamodule, self.limit_val_batches, ckpt_path)
 
     def test(
-        self, module: TrainingModule, dataloaders: Any = None, datamodule: DataModule | None = None
+        self,
+        module: TrainingModule,
+        dataloaders: Any = None,
+        datamodule: DataModule | None = None,
+        ckpt_path: str | os.PathLike[str] | None = None,
     ) -> list[dict[str, float]]:
-        """Run one test epoch; returns one dict of epoch metrics per dataloader."""
-        return self._evaluate("test", module, dataloaders, datamodule, self.limit_test_batches)
+        """Run one test epoch; returns one dict of epoch metrics per dataloader (``ckpt_path`` as in validate)."""
+        return self._evaluate("test", module, dataloaders, datamodule, self.limit_test_batches, ckpt_path)
 
     def predict(
-        self, module: TrainingModule, dataloaders: Any = None, datamodule: DataModule | None = None
+        self,
+        module: TrainingModule,
+        dataloaders: Any = None,
+        datamodule: DataModule | None = None,
+        ckpt_path: str | os.PathLike[str] | None = None,
     ) -> list[Any]:
         """Run `predict_step` on every batch; returns the outputs (a list per dataloader if several)."""
-        outputs = self._evaluate("predict", module, dataloaders, datamodule, self.limit_predict_batches)
+        outputs = self._evaluate("predict", module, dataloaders, datamodule, self.limit_predict_batches, ckpt_path)
         return outputs[0] if len(outputs) == 1 else outputs
 
     def _evaluate(
@@ -274,8 +309,11 @@ class Trainer:
         loaders: Any,
         datamodule: DataModule | None,
         limit: float | int,
+        ckpt_path: str | os.PathLike[str] | None,
     ) -> list[Any]:
-        with self._run({"validation": "validate"}.get(stage, stage), module, datamodule):
+        with self._run({"validation": "validate"}.get(stage, stage), module, datamodule, ckpt_path):
+            if self._ckpt is not None:
+                checkpointing.load_weights(module, self._ckpt)
             resolved = resolve_loaders(stage, loaders, datamodule)
             if not resolved:
                 raise ValueError(f"{stage} needs data: pass dataloaders or a datamodule with a {stage} dataloader")
@@ -286,7 +324,13 @@ class Trainer:
 
     # --- run setup and teardown -------------------------------------------------
     @contextlib.contextmanager
-    def _run(self, stage: str, module: TrainingModule, datamodule: DataModule | None) -> Iterator[None]:
+    def _run(
+        self,
+        stage: str,
+        module: TrainingModule,
+        datamodule: DataModule | None,
+        ckpt_path: str | os.PathLike[str] | None = None,
+    ) -> Iterator[None]:
         if not isinstance(module, TrainingModule):
             raise TypeError(f"expected an ember.TrainingModule, got {type(module).__qualname__}")
         from ember.trainer.setup import default_callbacks, next_version, resolve_loggers, run_name
@@ -296,14 +340,17 @@ class Trainer:
         if not self._loggers_resolved:
             self.loggers = resolve_loggers(self._logger_option)
             self._loggers_resolved = True
+        name = self.run_name or run_name(module)
+        self._ckpt = checkpointing.resolve_ckpt_path(self, ckpt_path, Path(self.default_root_dir) / name, stage)
         if self._run_dir is None:
-            root = Path(self.default_root_dir) / (self.run_name or run_name(module))
+            root = Path(self.default_root_dir) / name
             self._run_dir = root / next_version(root)
         for logger in self.loggers:
             logger.attach(self._run_dir)
         self.stage = stage
         self.should_stop = False
         self._module = module
+        self.datamodule = datamodule
         self.hooks = hooks
         module._trainer = self
         self._model = self.strategy.setup_module(module)
@@ -311,18 +358,26 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         status = "failed"
+        if stage == "fit":
+            self._preemption = signals.PreemptionFlag(
+                [signal.SIGTERM] + ([self.requeue_signal] if self.requeue_signal is not None else [])
+            )
+            self._preemption.install()
         try:
             if datamodule is not None:
                 datamodule.setup(stage)
             self.hooks.setup(stage)
             with torch.autograd.detect_anomaly() if self.detect_anomaly else contextlib.nullcontext():
                 yield
+            self._writer.wait()  # the last background checkpoint is complete (or its error raised) when fit returns
             status = "success"
         except BaseException as exc:
-            status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            status = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else "failed"
             self.hooks.on_exception(exc)
+            checkpointing.finish_writes_quietly(self)
             raise
         finally:
+            self._preemption.restore()
             for logger in self.loggers:
                 logger.finalize(status)
             self.hooks.teardown(stage)
@@ -330,6 +385,44 @@ class Trainer:
                 datamodule.teardown(stage)
             self.strategy.teardown()
             self.stage = None
+
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        weights_only: bool = False,
+        *,
+        async_save: bool = False,
+        set_last: bool = False,
+        on_done: Callable[[Path], None] | None = None,
+    ) -> Path:
+        """Write a checkpoint directory at `path` with everything an exact resume needs.
+
+        ``weights_only=True`` keeps the module weights (and hparams/config) only.
+        The write is atomic: `path` appears complete or not at all, and an
+        existing `path` is never overwritten. Called from a hook while training
+        runs, the write happens at the next step boundary (the end of the
+        current accumulation window, or of the epoch), so the checkpoint
+        resumes exactly. ``async_save`` writes in a background thread;
+        ``set_last`` points the ``last`` file beside `path` at it once it is
+        complete; ``on_done(path)`` runs on this thread after that.
+        """
+        if self._module is None:
+            raise RuntimeError("save_checkpoint needs a module: call it during or after fit/validate/test/predict")
+        self._writer.request(Path(path), weights_only, async_save, set_last, on_done)
+        if not self._in_train_loop:
+            self._writer.flush(self, self._module)
+        return Path(path)
+
+    def _at_boundary(self) -> None:
+        """A step or epoch boundary: write pending checkpoints; act on a preemption signal."""
+        assert self._module is not None
+        if self._preemption.received is not None:
+            checkpointing.handle_preemption(self, self._module, self._preemption.received)
+        if self._writer.pending:
+            self._writer.flush(self, self._module)
+
+    def _resume_from(self, module: TrainingModule, path: Path) -> None:
+        self._resume_rng = checkpointing.resume(self, module, path)
 
     def _record_hyperparameters(self, module: TrainingModule) -> None:
         """Write the resolved config to ``config.yaml`` and give the loggers the run's hyperparameters."""

@@ -1,0 +1,239 @@
+"""`ModelCheckpoint`: when to save, what to keep, and where ``last`` points."""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ember.callbacks.callback import Callback
+
+if TYPE_CHECKING:
+    from ember.modules.module import TrainingModule
+    from ember.trainer.trainer import Trainer
+
+_FIELD = re.compile(r"\{([^{}:]+)(?::([^{}]*))?\}")
+
+
+class ModelCheckpoint(Callback):
+    """Saves checkpoints during fit and keeps the best ones.
+
+    - When: every ``every_n_epochs`` epochs (default 1 when no other trigger is
+      given), every ``every_n_train_steps`` optimizer steps, and/or every
+      ``train_time_interval`` (seconds or ``timedelta``). Saves are written at
+      the next step or epoch boundary, so each one resumes exactly.
+    - What to keep: with ``monitor``, the ``save_top_k`` best by ``mode``
+      ("min"/"max"); without, the ``save_top_k`` most recent. ``-1`` keeps all,
+      ``0`` none (besides ``last``).
+    - ``save_last`` (default True): a ``last`` file in ``dirpath`` names the
+      newest complete checkpoint; ``fit(ckpt_path="last")`` resumes from it.
+    - ``dirpath`` defaults to ``<run dir>/checkpoints``; ``filename`` is a
+      template such as ``"{epoch}-{step}-{val/acc:.3f}"`` (each field becomes
+      ``name=value``, ``/`` in names becomes ``_``).
+    - ``save_weights_only`` writes module weights only (not resumable);
+      ``async_save`` writes in a background thread while training goes on.
+
+    `best_model_path` / `best_model_score` name the best checkpoint; the
+    callback's own state (kept checkpoints, best score) survives a resume.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | Path | None = None,
+        filename: str = "{epoch}-{step}",
+        monitor: str | None = None,
+        mode: str = "min",
+        save_top_k: int = 1,
+        save_last: bool = True,
+        every_n_train_steps: int | None = None,
+        every_n_epochs: int | None = None,
+        train_time_interval: float | timedelta | None = None,
+        save_weights_only: bool = False,
+        async_save: bool = False,
+    ) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"ModelCheckpoint(mode={mode!r}): use 'min' or 'max'")
+        if not isinstance(save_top_k, int) or save_top_k < -1:
+            raise ValueError(f"ModelCheckpoint(save_top_k={save_top_k!r}): use -1 (all), 0 (none) or a count")
+        for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"ModelCheckpoint({name}={value!r}) must be a positive int")
+        if not _FIELD.search(filename) and save_top_k != 1:
+            raise ValueError(
+                f"ModelCheckpoint(filename={filename!r}) needs a field such as {{step}} to tell saves apart"
+            )
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.filename = filename
+        self.monitor = monitor
+        self.mode = mode
+        self.save_top_k = save_top_k
+        self.save_last = save_last
+        self.every_n_train_steps = every_n_train_steps
+        if isinstance(train_time_interval, timedelta):
+            train_time_interval = train_time_interval.total_seconds()
+        self.train_time_interval_s: float | None = train_time_interval
+        no_trigger = every_n_train_steps is None and train_time_interval is None
+        self.every_n_epochs = every_n_epochs if every_n_epochs is not None else (1 if no_trigger else None)
+        self.save_weights_only = save_weights_only
+        self.async_save = async_save
+        # State that survives a resume:
+        self.kept: dict[str, float | None] = {}  # path -> monitored score (None without monitor), oldest first
+        self.best_model_path = ""
+        self.best_model_score: float | None = None
+        self.last_model_path = ""
+        self._last_saved_step = -1
+        self._last_save_time = time.monotonic()
+
+    # --- state ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "kept": dict(self.kept),
+            "best_model_path": self.best_model_path,
+            "best_model_score": self.best_model_score,
+            "last_model_path": self.last_model_path,
+            "last_saved_step": self._last_saved_step,
+            "dirpath": str(self.dirpath) if self.dirpath else "",
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.kept = dict(state["kept"])
+        self.best_model_path = state["best_model_path"]
+        self.best_model_score = state["best_model_score"]
+        self.last_model_path = state["last_model_path"]
+        self._last_saved_step = state["last_saved_step"]
+
+    # --- triggers -----------------------------------------------------------------
+    def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
+        if self.dirpath is None and stage == "fit":
+            self.dirpath = trainer.run_dir / "checkpoints"
+
+    def on_train_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        self._last_save_time = time.monotonic()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == self._last_saved_step:
+            return
+        by_steps = self.every_n_train_steps is not None and step > 0 and step % self.every_n_train_steps == 0
+        interval = self.train_time_interval_s
+        by_time = interval is not None and time.monotonic() - self._last_save_time >= interval
+        if by_steps or by_time:
+            self._save(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        due = self.every_n_epochs is not None and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+        if due and trainer.global_step != self._last_saved_step:
+            self._save(trainer)
+
+    def save_for_preemption(self, trainer: Trainer) -> None:
+        """Save now (at a boundary) unless this step is saved already; ``last`` is updated either way."""
+        if trainer.global_step != self._last_saved_step:
+            self._save(trainer, force_last=True)
+
+    # --- saving -------------------------------------------------------------------
+    def format_name(self, trainer: Trainer) -> str:
+        """The checkpoint's directory name from `filename` and the current epoch, step and metrics."""
+        metrics = trainer.callback_metrics
+
+        def field(match: re.Match[str]) -> str:
+            key, spec = match.group(1), match.group(2) or ""
+            if key == "epoch":
+                value: Any = trainer.current_epoch
+            elif key == "step":
+                value = trainer.global_step
+            elif key in metrics:
+                value = metrics[key]
+            else:
+                raise KeyError(
+                    f"ModelCheckpoint(filename={self.filename!r}): {key!r} was not logged; logged: {sorted(metrics)}"
+                )
+            return f"{key.replace('/', '_')}={format(value, spec)}"
+
+        return _FIELD.sub(field, self.filename)
+
+    def _unique_path(self, name: str) -> Path:
+        assert self.dirpath is not None
+        path, n = self.dirpath / name, 0
+        while path.exists() or str(path) in self.kept:
+            n += 1
+            path = self.dirpath / f"{name}-v{n}"
+        return path
+
+    def _score(self, trainer: Trainer) -> float | None:
+        if self.monitor is None:
+            return None
+        metrics = trainer.callback_metrics
+        if self.monitor not in metrics:
+            raise KeyError(
+                f"ModelCheckpoint(monitor={self.monitor!r}): the metric was not logged; logged: {sorted(metrics)}"
+            )
+        return metrics[self.monitor]
+
+    def _better(self, a: float, b: float) -> bool:
+        return a < b if self.mode == "min" else a > b
+
+    def _save(self, trainer: Trainer, force_last: bool = False) -> None:
+        score = self._score(trainer)
+        if score is not None and math.isnan(score):
+            score = math.inf if self.mode == "min" else -math.inf
+        path = self._unique_path(self.format_name(trainer))
+        keep = self._admits(score)
+        if not keep and not (self.save_last or force_last):
+            return
+        evicted: list[str] = []
+        if keep:
+            self.kept[str(path)] = score
+            evicted = self._evict()
+            if score is not None and (self.best_model_score is None or self._better(score, self.best_model_score)):
+                self.best_model_path, self.best_model_score = str(path), score
+            elif score is None:
+                self.best_model_path = str(path)
+        previous_last = self.last_model_path
+        self.last_model_path = str(path)
+        self._last_saved_step = trainer.global_step
+        self._last_save_time = time.monotonic()
+
+        def after_write(written: Path) -> None:  # runs once `written` is complete and `last` names it
+            stale = [*evicted, previous_last]
+            for old in stale:
+                if old and old not in self.kept and old != self.last_model_path:
+                    shutil.rmtree(old, ignore_errors=True)
+
+        trainer.save_checkpoint(
+            path, self.save_weights_only, async_save=self.async_save, set_last=True, on_done=after_write
+        )
+
+    def _admits(self, score: float | None) -> bool:
+        if self.save_top_k == -1:
+            return True
+        if self.save_top_k == 0:
+            return False
+        if score is None or len(self.kept) < self.save_top_k:
+            return True
+        worst = self._worst()
+        return worst is None or self._better(score, worst[1])
+
+    def _worst(self) -> tuple[str, float] | None:
+        scored = [(p, s) for p, s in self.kept.items() if s is not None]
+        if not scored:
+            return None
+        return max(scored, key=lambda ps: ps[1]) if self.mode == "min" else min(scored, key=lambda ps: ps[1])
+
+    def _evict(self) -> list[str]:
+        evicted = []
+        while self.save_top_k >= 0 and len(self.kept) > self.save_top_k:
+            if self.monitor is None:
+                oldest = next(iter(self.kept))
+            else:
+                worst = self._worst()
+                assert worst is not None
+                oldest = worst[0]
+            del self.kept[oldest]
+            evicted.append(oldest)
+        return evicted

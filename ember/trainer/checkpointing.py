@@ -1,0 +1,236 @@
+"""The trainer's side of checkpoints: which checkpoint ``ckpt_path`` means, saving, resuming.
+
+The file format lives in `checkpoint.py`, what goes into a checkpoint in
+`state.py`; *when* to save is the `ModelCheckpoint` callback's business.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ember import checkpoint as ckpt
+from ember.trainer import signals, state
+
+if TYPE_CHECKING:
+    from ember.modules.module import TrainingModule
+    from ember.trainer.trainer import Trainer
+
+CHECKPOINT_SUBDIR = "checkpoints"
+
+
+def info(trainer: Trainer, message: str) -> None:
+    """One line on stderr from the global-zero process."""
+    if trainer.is_global_zero:
+        print(f"ember: {message}", file=sys.stderr, flush=True)
+
+
+def _versions_newest_first(run_root: Path) -> list[Path]:
+    found = []
+    for path in run_root.glob("version_*"):
+        match = re.fullmatch(r"version_(\d+)", path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def _checkpoint_dirs(trainer: Trainer) -> list[Path]:
+    """Folders an explicit `ModelCheckpoint(dirpath=...)` writes to."""
+    from ember.callbacks.model_checkpoint import ModelCheckpoint
+
+    return [Path(cb.dirpath) for cb in trainer.user_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+
+
+def find_last(trainer: Trainer, run_root: Path) -> tuple[Path, Path | None] | None:
+    """(checkpoint, its run directory) for the newest complete checkpoint of this run name, or None."""
+    for directory in _checkpoint_dirs(trainer):
+        found = ckpt.newest_valid(directory)
+        if found is not None:
+            return found, None
+    for version in _versions_newest_first(run_root):
+        found = ckpt.newest_valid(version / CHECKPOINT_SUBDIR)
+        if found is not None:
+            return found, version
+    return None
+
+
+def _find_best(trainer: Trainer, run_root: Path) -> Path:
+    from ember.callbacks.model_checkpoint import ModelCheckpoint
+
+    for cb in trainer.user_callbacks:
+        if isinstance(cb, ModelCheckpoint) and cb.best_model_path:
+            return Path(cb.best_model_path)
+    last = find_last(trainer, run_root)
+    if last is not None:
+        saved = ckpt.read_meta(last[0]).get("state", {}).get("callbacks", {})
+        for key, value in saved.items():
+            if key.startswith("ModelCheckpoint") and value.get("best_model_path"):
+                return Path(value["best_model_path"])
+    raise ckpt.CheckpointError(
+        f"ckpt_path='best': no ModelCheckpoint with a monitored best checkpoint in this trainer or under {run_root}"
+    )
+
+
+def resolve_ckpt_path(
+    trainer: Trainer, ckpt_path: str | os.PathLike[str] | None, run_root: Path, stage: str
+) -> Path | None:
+    """The checkpoint directory ``ckpt_path`` names; for "last" it also picks the run directory to continue."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        found = find_last(trainer, run_root)
+        if found is None:
+            if stage != "fit":
+                raise ckpt.CheckpointError(f"ckpt_path='last': no complete checkpoint under {run_root}")
+            info(trainer, f"no checkpoint under {run_root}; starting a new run")
+            return None
+        path, run_dir = found
+        if run_dir is not None and stage == "fit":
+            trainer._run_dir = run_dir
+        info(trainer, f"resuming from {path}")
+        return path
+    if ckpt_path == "best":
+        return _find_best(trainer, run_root)
+    path = Path(ckpt_path)
+    if path.is_file() and path.name == ckpt.LAST_FILE:
+        path = path.parent / path.read_text(encoding="utf-8").strip()
+    ckpt.check_complete(path)
+    return path
+
+
+OnDone = Callable[[Path], None]
+
+
+@dataclass
+class _Request:
+    path: Path
+    weights_only: bool
+    async_save: bool
+    set_last: bool
+    on_done: OnDone | None
+
+
+class CheckpointWriter:
+    """Writes checkpoints at step boundaries, optionally in a background thread.
+
+    During fit, a save asked for from a hook is written at the next boundary:
+    the end of the current accumulation window (after its validation, if due)
+    or the end of the epoch (after epoch schedulers stepped). A checkpoint
+    therefore always describes a point where training can continue exactly.
+    At most one background write is in flight; the next save, the end of fit
+    and a preemption wait for it, and its error is raised there.
+    """
+
+    def __init__(self) -> None:
+        self.pending: list[_Request] = []
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._after_background: list[tuple[OnDone, Path]] = []
+
+    def request(self, path: Path, weights_only: bool, async_save: bool, set_last: bool, on_done: OnDone | None) -> None:
+        if any(r.path == path for r in self.pending) or path.exists():
+            raise FileExistsError(f"a checkpoint at {path} exists already; ember never overwrites one")
+        self.pending.append(_Request(path, weights_only, async_save, set_last, on_done))
+
+    def flush(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Write every pending request now (the caller is at a boundary)."""
+        requests, self.pending = self.pending, []
+        for req in requests:
+            self.wait()
+            if trainer.is_global_zero:
+                for logger in trainer.loggers:  # the logs on disk match the checkpoint
+                    logger.save()
+            snapshot = state.gather(trainer, module, req.weights_only, copy=req.async_save)
+            if req.async_save:
+                self._thread = threading.Thread(target=self._write_in_background, args=(req, snapshot), daemon=True)
+                self._thread.start()
+            else:
+                state.write(req.path, snapshot)
+                self._finished(req)
+
+    def _write_in_background(self, req: _Request, snapshot: state.Snapshot) -> None:
+        try:
+            state.write(req.path, snapshot)
+            if req.set_last:
+                ckpt.point_last_at(req.path)
+        except BaseException as exc:  # handed to the main thread in wait()
+            self._error = exc
+        else:
+            if req.on_done is not None:
+                self._after_background.append((req.on_done, req.path))
+
+    @staticmethod
+    def _finished(req: _Request) -> None:
+        if req.set_last:
+            ckpt.point_last_at(req.path)
+        if req.on_done is not None:
+            req.on_done(req.path)
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until the background write (if any) is finished; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        done, self._after_background = self._after_background, []
+        for on_done, path in done:
+            on_done(path)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"a background checkpoint write failed: {error}") from error
+
+
+def resume(trainer: Trainer, module: TrainingModule, path: Path) -> dict[str, Any]:
+    """Restore everything from `path`; returns the random streams to put back when training continues."""
+    loaded = state.load(path)
+    state.restore(trainer, module, loaded)
+    trainer.epoch_start_state = loaded.rank_state.get("epoch_start")
+    rng: dict[str, Any] = loaded.rank_state["rng"]
+    return rng
+
+
+def load_weights(module: TrainingModule, path: Path) -> None:
+    """Load only the module weights from `path` (for validate/test/predict)."""
+    meta, weights = ckpt.read_module_state(path)
+    ckpt.load_weights_into(module, weights, path, meta.get("module_class"))
+
+
+def finish_writes_quietly(trainer: Trainer) -> None:
+    """On the way out of a failed run: let an in-flight write finish; report (not raise) its error."""
+    trainer._writer.pending.clear()
+    try:
+        trainer._writer.wait()
+    except RuntimeError as exc:
+        print(f"ember: {exc}", file=sys.stderr, flush=True)
+
+
+def handle_preemption(trainer: Trainer, module: TrainingModule, signum: int) -> None:
+    """Save ``last`` at this boundary, requeue under SLURM, and exit with `signals.EXIT_PREEMPTED`."""
+    from ember.callbacks.model_checkpoint import ModelCheckpoint
+
+    info(trainer, f"received {signals.signal_name(signum)}: saving a checkpoint at step {trainer.global_step}")
+    trainer._writer.wait()
+    savers = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+    if savers:
+        savers[0].save_for_preemption(trainer)
+    else:
+        path = trainer.run_dir / CHECKPOINT_SUBDIR / f"preempted-step={trainer.global_step}"
+        if not path.exists():
+            trainer._writer.request(path, False, False, True, None)
+    for request in trainer._writer.pending:
+        request.async_save = False  # the process is about to exit: write now
+    trainer._writer.flush(trainer, module)
+    trainer._writer.wait()
+    job = signals.slurm_job_to_requeue()
+    if job is not None and trainer.is_global_zero:
+        signals.requeue_slurm_job(job)
+    raise signals.Preempted(signum)

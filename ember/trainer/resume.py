@@ -1,0 +1,162 @@
+"""Exact data position and random streams across a resume.
+
+Iterating a DataLoader draws from random generators: the worker base seed (from
+the loader's ``generator``, else the global torch RNG) and, for a shuffling
+sampler, the permutation (from the sampler's generator, else the global torch
+RNG). ember records those generators' states just before each training epoch
+opens its iterator. On resume in the middle of an epoch it puts them back,
+opens the iterator again (same draws, same order) with the sampler skipping
+the batches already consumed, so no skipped sample is loaded, and then puts
+back the random streams as they were at the checkpointed step.
+
+A loader with ``state_dict``/``load_state_dict`` (torchdata's
+``StatefulDataLoader``) is resumed through those instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def capture_rng() -> dict[str, Any]:
+    """The global random streams of this process: Python, NumPy (when imported), torch CPU and CUDA."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back the streams `capture_rng` recorded."""
+    random.setstate(_as_python_random_state(state["python"]))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_python_random_state(value: Any) -> tuple[Any, ...]:
+    version, internal, gauss = value  # tuples may come back as lists
+    return (version, tuple(internal), gauss)
+
+
+def _loader_generators(loader: Any) -> list[torch.Generator]:
+    found: list[torch.Generator] = []
+    for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        gen = getattr(owner, "generator", None)
+        if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
+            found.append(gen)
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    gen = getattr(sampler, "generator", None)
+    if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
+        found.append(gen)
+    return found
+
+
+def capture_epoch_start(loader: Any) -> dict[str, Any]:
+    """State of every generator `iter(loader)` may draw from, taken just before it is called."""
+    return {"global": capture_rng(), "loader": [g.get_state() for g in _loader_generators(loader)]}
+
+
+def _restore_epoch_start(loader: Any, state: dict[str, Any]) -> None:
+    restore_rng(state["global"])
+    generators = _loader_generators(loader)
+    if len(generators) != len(state["loader"]):
+        raise RuntimeError(
+            "the training DataLoader's random generators differ from the checkpointed run's; "
+            "build the DataLoader the same way to resume exactly"
+        )
+    for gen, gen_state in zip(generators, state["loader"], strict=True):
+        gen.set_state(gen_state)
+
+
+class _SkipFirst:
+    """Iterates an index iterator after skipping `skip` items; `prime()` does the skip now."""
+
+    def __init__(self, inner: Iterator[Any], skip: int) -> None:
+        self._inner, self._skip = inner, skip
+
+    def prime(self) -> None:
+        while self._skip:
+            next(self._inner)
+            self._skip -= 1
+
+    def __iter__(self) -> _SkipFirst:
+        return self
+
+    def __next__(self) -> Any:
+        self.prime()
+        return next(self._inner)
+
+
+class _SkippingSampler:
+    """Stands in for a DataLoader's (batch) sampler: its first iteration skips `skip` entries."""
+
+    def __init__(self, inner: Any, skip: int) -> None:
+        self.inner, self.skip = inner, skip
+        self.first: _SkipFirst | None = None
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.first is not None:  # later epochs of a persistent-worker iterator: no skipping
+            return iter(self.inner)
+        self.first = _SkipFirst(iter(self.inner), self.skip)
+        return self.first
+
+
+def open_resumed_epoch(loader: Any, skip: int, epoch_start: dict[str, Any] | None, step_rng: dict[str, Any]) -> Any:
+    """An iterator over `loader` positioned after `skip` batches, with the step's random streams restored.
+
+    The caller limits how many batches it takes. Falls back to restarting the
+    epoch (with a warning) for an iterable dataset without ``load_state_dict``.
+    """
+    if epoch_start is None:
+        raise RuntimeError("the checkpoint lacks the epoch's data position (epoch_start); it cannot resume mid-epoch")
+    if isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset):
+        warnings.warn(
+            "resuming in the middle of an epoch over an IterableDataset without state_dict/load_state_dict: "
+            "the epoch restarts from its first batch. Give the dataset state_dict()/load_state_dict() "
+            "(or use torchdata's StatefulDataLoader) to resume exactly.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        restore_rng(step_rng)
+        return iter(loader)
+    attr = "batch_sampler" if getattr(loader, "batch_sampler", None) is not None else "sampler"
+    original = getattr(loader, attr)
+    stand_in = _SkippingSampler(original, skip)
+    _restore_epoch_start(loader, epoch_start)
+    object.__setattr__(loader, attr, stand_in)  # DataLoader forbids setting it after __init__; one epoch only
+    try:
+        iterator = iter(loader)
+        assert stand_in.first is not None
+        stand_in.first.prime()  # the permutation is drawn now, where the uninterrupted run drew it
+    finally:
+        object.__setattr__(loader, attr, original)
+    restore_rng(step_rng)
+    return iterator
+
+
+def islice_from(iterator: Any, start: int, count: float) -> Iterator[tuple[int, Any]]:
+    """``enumerate`` from `start`, stopping at index `count` (inf: until the iterator ends)."""
+    indexed = enumerate(iterator, start)
+    if count == float("inf"):
+        return indexed
+    return itertools.islice(indexed, max(int(count) - start, 0))

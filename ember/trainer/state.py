@@ -1,0 +1,177 @@
+"""What a checkpoint holds: a named registry of `Stateful` objects, gathered and restored.
+
+Every entry has ``state_dict()`` / ``load_state_dict()``. The "module" and
+"optimizers" entries are tensor-heavy and go through
+torch.distributed.checkpoint; everything else is small and goes into
+``ember.pt``. Per-process state (random streams, data position) goes into
+``rank-N.pt``.
+"""
+
+from __future__ import annotations
+
+import copy as copy_module
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from torch import Tensor, nn
+
+import ember
+from ember import checkpoint as ckpt
+from ember.trainer.resume import capture_rng
+
+if TYPE_CHECKING:
+    from ember.modules.module import TrainingModule
+    from ember.trainer.trainer import Trainer
+
+_TENSOR_ENTRIES = ("module", "optimizers")
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+class _ListState:
+    """Several statefuls saved as one list (optimizers, schedulers, loggers)."""
+
+    def __init__(self, name: str, items: list[Any]) -> None:
+        self.name, self.items = name, items
+
+    def state_dict(self) -> list[Any]:
+        return [item.state_dict() for item in self.items]
+
+    def load_state_dict(self, state: list[Any]) -> None:
+        if len(state) != len(self.items):
+            raise ckpt.CheckpointError(
+                f"the checkpoint has {len(state)} {self.name}, this run has {len(self.items)}; "
+                "configure the same ones to resume"
+            )
+        for item, item_state in zip(self.items, state, strict=True):
+            item.load_state_dict(item_state)
+
+
+class _CallbackStates:
+    """Callbacks keyed by `state_key`; a callback missing from the checkpoint keeps its fresh state."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {cb.state_key: cb.state_dict() for cb in self.trainer.callbacks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for cb in self.trainer.callbacks:
+            if cb.state_key in state:
+                cb.load_state_dict(state[cb.state_key])
+
+
+class _LoggerStates:
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> list[Any]:
+        return [logger.state_dict() for logger in self.trainer.loggers]
+
+    def load_state_dict(self, state: list[Any]) -> None:
+        step = self.trainer.global_step
+        for logger, logger_state in zip(self.trainer.loggers, state, strict=False):
+            logger.load_state_dict({**logger_state, "step": step})
+
+
+def registry(trainer: Trainer, module: TrainingModule) -> dict[str, Stateful]:
+    """Everything an exact resume restores, by name."""
+    entries: dict[str, Stateful] = {
+        "module": module,
+        "optimizers": _ListState("optimizers", trainer.optimizers),
+        "lr_schedulers": _ListState("lr schedulers", [c.scheduler for c in trainer.lr_scheduler_configs]),
+        "precision": trainer.strategy.precision,
+        "progress": trainer.progress,
+        "metrics": trainer.train_collector,
+        "callbacks": _CallbackStates(trainer),
+        "loggers": _LoggerStates(trainer),
+    }
+    if trainer.datamodule is not None:
+        entries["datamodule"] = trainer.datamodule
+    return entries
+
+
+@dataclass
+class Loaded:
+    """A checkpoint read from disk: its ``ember.pt`` content, its tensors and this rank's state."""
+
+    path: Path
+    meta: dict[str, Any]
+    tensor_state: dict[str, Any]
+    rank_state: dict[str, Any]
+
+
+@dataclass
+class Snapshot:
+    """Everything a checkpoint write needs, detached from the live objects (safe to write in the background)."""
+
+    meta: dict[str, Any]
+    tensors: dict[str, Tensor]
+    rank_state: dict[str, Any]
+
+
+def gather(trainer: Trainer, module: TrainingModule, weights_only: bool, copy: bool) -> Snapshot:
+    """Collect the registry; with `copy`, tensors are cloned so training may go on while it is written."""
+    entries = registry(trainer, module)
+    names = ("module",) if weights_only else tuple(entries)
+    states = {name: entries[name].state_dict() for name in names}
+    skeleton, tensors = ckpt.split_tensors({k: states.pop(k) for k in _TENSOR_ENTRIES if k in states})
+    meta: dict[str, Any] = {
+        "ember_version": ember.__version__,
+        "weights_only": weights_only,
+        "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
+        "hparams": dict(module.hparams),
+        "config": trainer.run_config,
+        "tensor_skeleton": skeleton,
+        "state": states,
+    }
+    trainer.hooks.on_save_checkpoint(meta)
+    rank_state = {"rng": capture_rng(), "epoch_start": trainer.epoch_start_state}
+    if copy:
+        tensors = {k: v.detach().clone() for k, v in tensors.items()}
+        meta, rank_state = copy_module.deepcopy(meta), copy_module.deepcopy(rank_state)
+    return Snapshot(meta, tensors, rank_state)
+
+
+def write(path: Path, snapshot: Snapshot) -> Path:
+    return ckpt.write_checkpoint(path, snapshot.meta, snapshot.tensors, snapshot.rank_state)
+
+
+def load(path: Path) -> Loaded:
+    meta = ckpt.read_meta(path)
+    tensors = ckpt.read_tensors(path)
+    tensor_state = ckpt.join_tensors(meta["tensor_skeleton"], tensors)
+    return Loaded(path, meta, tensor_state, ckpt.read_rank_meta(path, 0))
+
+
+def load_module_weights(module: nn.Module, loaded: Loaded) -> None:
+    """Load the module's weights, with an error listing the first mismatched keys."""
+    ckpt.load_weights_into(module, loaded.tensor_state["module"], loaded.path, loaded.meta.get("module_class"))
+
+
+def restore(trainer: Trainer, module: TrainingModule, loaded: Loaded) -> None:
+    """Restore every registry entry for resuming training."""
+    if loaded.meta.get("weights_only"):
+        raise ckpt.CheckpointError(
+            f"checkpoint {loaded.path} holds weights only (saved with weights_only=True / save_weights_only); "
+            "it cannot resume training. Load it with TrainingModule.load_from_checkpoint, or resume from a "
+            "full checkpoint"
+        )
+    trainer.hooks.on_load_checkpoint(loaded.meta)
+    load_module_weights(module, loaded)
+    entries = registry(trainer, module)
+    entries["optimizers"].load_state_dict(loaded.tensor_state["optimizers"])
+    for name, state in loaded.meta["state"].items():
+        if name in entries:
+            entries[name].load_state_dict(state)
+        else:
+            warnings.warn(
+                f"checkpoint {loaded.path}: ignoring state {name!r} that this run has no use for", stacklevel=2
+            )
