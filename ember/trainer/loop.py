@@ -94,6 +94,7 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
 def open_epoch(trainer: Trainer, loader: Any, start: int) -> Iterator[Any]:
     """The epoch's batch iterator; on resume, positioned after `start` batches with the step's RNG restored."""
     rng, trainer._resume_rng = trainer._resume_rng, None
+    set_epoch(loader, trainer.progress.epoch)
     if start == 0:
         if rng is not None:
             restore_rng(rng)
@@ -101,6 +102,16 @@ def open_epoch(trainer: Trainer, loader: Any, start: int) -> Iterator[Any]:
         return iter(loader)
     assert rng is not None, "a run inside an epoch always comes from a checkpoint"
     return open_resumed_epoch(loader, start, trainer.epoch_start_state, rng)
+
+
+def set_epoch(loader: Any, epoch: int) -> None:
+    """Call ``set_epoch(epoch)`` on the dataset and samplers that have it (seeded augmentation, distributed)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    owners = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
+    targets = {id(obj): obj for obj in (getattr(loader, "dataset", None), *owners[1:]) if obj is not None}
+    for obj in targets.values():
+        if callable(getattr(obj, "set_epoch", None)):
+            obj.set_epoch(epoch)
 
 
 def validate_after(trainer: Trainer, module: TrainingModule, loaders: list[Any], batch_idx: int) -> None:

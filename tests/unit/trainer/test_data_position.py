@@ -1,0 +1,55 @@
+"""Data position pieces: set_epoch is called every epoch, sample_generator is a pure function of its keys."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import ember
+from ember.seed import sample_generator
+
+
+class EpochAware(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self) -> None:
+        self.epochs: list[int] = []
+        self.epoch = -1
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        noise = torch.randn(2, generator=sample_generator(index, self.epoch, seed=3))
+        return noise, noise.sum(0, keepdim=True)
+
+
+class Net(ember.TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Linear(2, 1)
+        self.loss_fn = nn.MSELoss()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_set_epoch_is_called_before_every_training_epoch() -> None:
+    dataset = EpochAware()
+    trainer = ember.Trainer(
+        max_epochs=3, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False
+    )
+    trainer.fit(Net(), DataLoader(dataset, batch_size=4, shuffle=True))
+    assert dataset.epochs == [0, 1, 2]
+
+
+def test_sample_generator_depends_only_on_its_keys() -> None:
+    first = torch.rand(4, generator=sample_generator(5, epoch=2, seed=7))
+    torch.manual_seed(123)  # the global stream does not matter
+    again = torch.rand(4, generator=sample_generator(5, epoch=2, seed=7))
+    assert torch.equal(first, again)
+    others = [torch.rand(4, generator=sample_generator(*keys)) for keys in ((6, 2, 7), (5, 3, 7), (5, 2, 8))]
+    assert all(not torch.equal(first, other) for other in others)
