@@ -190,12 +190,12 @@ class CheckpointWriter:
 
 
 def resume(trainer: Trainer, module: TrainingModule, path: Path) -> dict[str, Any]:
-    """Restore everything from `path`; returns the random streams to put back when training continues."""
+    """Restore everything from `path`; returns this process's state (random streams, data position)
+    for the loop to put back when training continues."""
     loaded = state.load(path)
     state.restore(trainer, module, loaded)
     trainer.epoch_start_state = loaded.rank_state.get("epoch_start")
-    rng: dict[str, Any] = loaded.rank_state["rng"]
-    return rng
+    return loaded.rank_state
 
 
 def load_weights(module: TrainingModule, path: Path) -> None:

@@ -93,15 +93,15 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
 
 def open_epoch(trainer: Trainer, loader: Any, start: int) -> Iterator[Any]:
     """The epoch's batch iterator; on resume, positioned after `start` batches with the step's RNG restored."""
-    rng, trainer._resume_rng = trainer._resume_rng, None
+    resumed, trainer._resume_state = trainer._resume_state, None
     set_epoch(loader, trainer.progress.epoch)
     if start == 0:
-        if rng is not None:
-            restore_rng(rng)
+        if resumed is not None:
+            restore_rng(resumed["rng"])
         trainer.epoch_start_state = capture_epoch_start(loader)
         return iter(loader)
-    assert rng is not None, "a run inside an epoch always comes from a checkpoint"
-    return open_resumed_epoch(loader, start, trainer.epoch_start_state, rng)
+    assert resumed is not None, "a run inside an epoch always comes from a checkpoint"
+    return open_resumed_epoch(loader, start, trainer.epoch_start_state, resumed)
 
 
 def set_epoch(loader: Any, epoch: int) -> None:

@@ -9,8 +9,9 @@ opens the iterator again (same draws, same order) with the sampler skipping
 the batches already consumed, so no skipped sample is loaded, and then puts
 back the random streams as they were at the checkpointed step.
 
-A loader with ``state_dict``/``load_state_dict`` (torchdata's
-``StatefulDataLoader``) is resumed through those instead.
+Iterable data cannot be skipped at the sampler: a ``StatefulDataLoader``
+(torchdata) or an ``IterableDataset`` with ``state_dict``/``load_state_dict``
+is resumed through those instead.
 """
 
 from __future__ import annotations
@@ -121,12 +122,23 @@ class _SkippingSampler:
         return self.first
 
 
-def open_resumed_epoch(loader: Any, skip: int, epoch_start: dict[str, Any] | None, step_rng: dict[str, Any]) -> Any:
+def open_resumed_epoch(loader: Any, skip: int, epoch_start: dict[str, Any] | None, saved: dict[str, Any]) -> Any:
     """An iterator over `loader` positioned after `skip` batches, with the step's random streams restored.
 
-    The caller limits how many batches it takes. Falls back to restarting the
-    epoch (with a warning) for an iterable dataset without ``load_state_dict``.
+    `saved` is the process's checkpointed state (``rng``, and ``loader`` or
+    ``dataset`` positions when those keep their own). The caller limits how
+    many batches it takes. Falls back to restarting the epoch (with a warning)
+    for an iterable dataset without ``load_state_dict``.
     """
+    step_rng = saved["rng"]
+    if "loader" in saved or "dataset" in saved:  # iterable data that knows its own position
+        if "loader" in saved:  # a StatefulDataLoader
+            loader.load_state_dict(saved["loader"])
+        else:
+            loader.dataset.load_state_dict(saved["dataset"])
+        iterator = iter(loader)  # draws (e.g. the worker base seed) must not leak into the step's streams
+        restore_rng(step_rng)
+        return iterator
     if epoch_start is None:
         raise RuntimeError("the checkpoint lacks the epoch's data position (epoch_start); it cannot resume mid-epoch")
     if isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset):
@@ -137,8 +149,9 @@ def open_resumed_epoch(loader: Any, skip: int, epoch_start: dict[str, Any] | Non
             RuntimeWarning,
             stacklevel=2,
         )
+        iterator = iter(loader)
         restore_rng(step_rng)
-        return iter(loader)
+        return iterator
     attr = "batch_sampler" if getattr(loader, "batch_sampler", None) is not None else "sampler"
     original = getattr(loader, attr)
     stand_in = _SkippingSampler(original, skip)

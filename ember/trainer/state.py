@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor, nn
+from torch.utils.data import IterableDataset
 
 import ember
 from ember import checkpoint as ckpt
@@ -98,6 +99,23 @@ def registry(trainer: Trainer, module: TrainingModule) -> dict[str, Stateful]:
     return entries
 
 
+def data_state(trainer: Trainer) -> dict[str, Any]:
+    """Position of an iterable dataset, kept by the loader (StatefulDataLoader) or by the dataset itself.
+
+    Map-style data needs none: its position is re-derived from the sampler (see `resume`).
+    """
+    loader = trainer.train_dataloader
+    dataset = getattr(loader, "dataset", None)
+    if not isinstance(dataset, IterableDataset):
+        return {}
+    if callable(getattr(loader, "state_dict", None)):
+        return {"loader": loader.state_dict()}
+    dataset_state = getattr(dataset, "state_dict", None)
+    if isinstance(dataset, IterableDataset) and callable(dataset_state):
+        return {"dataset": dataset_state()}
+    return {}
+
+
 @dataclass
 class Loaded:
     """A checkpoint read from disk: its ``ember.pt`` content, its tensors and this rank's state."""
@@ -133,7 +151,7 @@ def gather(trainer: Trainer, module: TrainingModule, weights_only: bool, copy: b
         "state": states,
     }
     trainer.hooks.on_save_checkpoint(meta)
-    rank_state = {"rng": capture_rng(), "epoch_start": trainer.epoch_start_state}
+    rank_state = {"rng": capture_rng(), "epoch_start": trainer.epoch_start_state, **data_state(trainer)}
     if copy:
         tensors = {k: v.detach().clone() for k, v in tensors.items()}
         meta, rank_state = copy_module.deepcopy(meta), copy_module.deepcopy(rank_state)

@@ -153,7 +153,8 @@ class Trainer:
         self._ckpt: Path | None = None
         #: Generator states the current training epoch's DataLoader iterator drew from (for exact resume).
         self.epoch_start_state: dict[str, Any] | None = None
-        self._resume_rng: dict[str, Any] | None = None
+        self._resume_state: dict[str, Any] | None = None
+        self.train_dataloader: Any = None
         self._writer = checkpointing.CheckpointWriter()
         self._in_train_loop = False
         self._preemption = signals.PreemptionFlag([])
@@ -250,6 +251,7 @@ class Trainer:
                 )
             if len(train) > 1:
                 raise ValueError("fit takes one training dataloader; combine datasets into one loader")
+            self.train_dataloader = train[0]
             val = resolve_loaders("validation", val_dataloaders, datamodule)
             check_not_empty("train", train)
             check_not_empty("validation", val)
@@ -422,7 +424,7 @@ class Trainer:
             self._writer.flush(self, self._module)
 
     def _resume_from(self, module: TrainingModule, path: Path) -> None:
-        self._resume_rng = checkpointing.resume(self, module, path)
+        self._resume_state = checkpointing.resume(self, module, path)
 
     def _record_hyperparameters(self, module: TrainingModule) -> None:
         """Write the resolved config to ``config.yaml`` and give the loggers the run's hyperparameters."""
