@@ -1,7 +1,12 @@
-"""Precision plugins: how the forward runs (autocast) and how the loss and step are scaled.
+"""Precision plugins: how the forward runs (autocast), how weights and inputs are cast, how the loss is scaled.
 
-Only full fp32 exists so far; the seam is here so mixed precision plugs in
-without touching the loop.
+| name | weights | forward | loss scaling |
+|---|---|---|---|
+| ``"32-true"`` (``"32"``) | fp32 | fp32 | none |
+| ``"64-true"`` | fp64 | fp64 (floating inputs cast) | none |
+| ``"bf16-mixed"`` | fp32 | autocast to bf16 | none |
+| ``"16-mixed"`` | fp32 | autocast to fp16 | `torch.amp.GradScaler` |
+| ``"bf16-true"`` / ``"16-true"`` | bf16 / fp16 | bf16 / fp16 (floating inputs cast) | none |
 """
 
 from __future__ import annotations
@@ -9,24 +14,48 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 _NULL_CONTEXT = contextlib.nullcontext()  # stateless and reusable: no allocation per step
 
-#: Every precision name ember knows, and the ones this version can run.
+#: Every precision name ember knows.
 KNOWN_PRECISIONS = ("32-true", "32", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
-SUPPORTED_PRECISIONS = ("32-true", "32")
+
+
+def cast_floating(batch: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor in a (nested) batch to `dtype`; integers and others pass through."""
+    if isinstance(batch, Tensor):
+        return batch.to(dtype) if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {k: cast_floating(v, dtype) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(cast_floating(v, dtype) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(cast_floating(v, dtype) for v in batch)
+    return batch
 
 
 class Precision:
-    """Full fp32: no autocast, no loss scaling."""
+    """Full fp32: no autocast, no casting, no loss scaling. The base of every precision plugin."""
 
     name = "32-true"
+    #: dtype floating inputs and weights are cast to (None: leave them alone).
+    cast_dtype: torch.dtype | None = None
 
     def forward_context(self) -> contextlib.AbstractContextManager[None]:
         """Context the training/eval steps run in (autocast for mixed precision)."""
         return _NULL_CONTEXT
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module.to(self.cast_dtype) if self.cast_dtype is not None else module
+
+    def convert_batch(self, batch: Any) -> Any:
+        return cast_floating(batch, self.cast_dtype) if self.cast_dtype is not None else batch
+
+    def setup(self, device: torch.device) -> None:
+        """Called once the device is known (the grad scaler needs it)."""
 
     def scale_loss(self, loss: Tensor) -> Tensor:
         return loss
@@ -37,6 +66,10 @@ class Precision:
     def optimizer_step(self, optimizer: Optimizer, closure: Any = None) -> Any:
         return optimizer.step(closure) if closure is not None else optimizer.step()
 
+    def step_metrics(self) -> dict[str, Tensor]:
+        """Values to log with the step metrics (e.g. skipped steps); tensors, read only when logged."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -44,14 +77,85 @@ class Precision:
         pass
 
 
+class TruePrecision(Precision):
+    """Weights and floating inputs in one dtype (fp64, bf16 or fp16)."""
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name, self.cast_dtype = name, dtype
+
+
+class MixedPrecision(Precision):
+    """fp32 weights, forward under autocast; fp16 adds a dynamic loss scaler.
+
+    With "16-mixed", a step whose gradients hold inf/NaN is skipped by the
+    scaler (and the scale halved); `skipped_steps` counts them on the device,
+    without a host sync, and is logged as ``train/skipped_steps``.
+    """
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name, self.dtype = name, dtype
+        self.scaler: torch.amp.GradScaler | None = None
+        self.skipped_steps: Tensor | None = None
+        self._autocast: Any = None
+
+    def setup(self, device: torch.device) -> None:
+        self._autocast = torch.autocast(device.type, dtype=self.dtype)
+        if self.dtype == torch.float16:
+            self.scaler = torch.amp.GradScaler(device.type)
+            self.skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
+
+    def forward_context(self) -> contextlib.AbstractContextManager[None]:
+        if self._autocast is None:
+            raise RuntimeError("the precision plugin was not set up; the strategy calls setup(device)")
+        return self._autocast  # type: ignore[no-any-return]
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Any = None) -> Any:
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, closure)
+        if closure is not None:
+            raise ValueError("16-mixed does not support optimizer closures (e.g. LBFGS); use bf16-mixed or 32-true")
+        found = self.scaler._found_inf_per_device(optimizer)  # unscale_gradients ran before clipping  # device tensors: no host sync
+        result = self.scaler.step(optimizer)
+        self.scaler.update()
+        assert self.skipped_steps is not None
+        for flag in found.values():
+            self.skipped_steps += flag.to(self.skipped_steps.device, torch.int64)
+        return result
+
+    def step_metrics(self) -> dict[str, Tensor]:
+        return {"train/skipped_steps": self.skipped_steps} if self.skipped_steps is not None else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.scaler is None:
+            return {}
+        assert self.skipped_steps is not None
+        return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps.clone()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["scaler"])
+            assert self.skipped_steps is not None
+            self.skipped_steps.copy_(state_dict["skipped_steps"])
+
+
 def resolve_precision(value: str | int) -> Precision:
     """Map a ``Trainer(precision=...)`` value to a plugin, with an error listing the valid ones."""
     name = str(value)
     if name not in KNOWN_PRECISIONS:
         raise ValueError(f"precision={value!r} is not valid; choose one of: {', '.join(KNOWN_PRECISIONS)}")
-    if name not in SUPPORTED_PRECISIONS:
-        raise ValueError(
-            f"precision={value!r} is not available in this version of ember; "
-            f"use one of: {', '.join(SUPPORTED_PRECISIONS)}"
-        )
-    return Precision()
+    if name in ("32-true", "32"):
+        return Precision()
+    if name == "64-true":
+        return TruePrecision(name, torch.float64)
+    if name == "bf16-true":
+        return TruePrecision(name, torch.bfloat16)
+    if name == "16-true":
+        return TruePrecision(name, torch.float16)
+    return MixedPrecision(name, torch.bfloat16 if name == "bf16-mixed" else torch.float16)

@@ -38,7 +38,8 @@ class Strategy:
     def __init__(self, device: torch.device | str = "cpu", precision: Precision | None = None) -> None:
         self.root_device = torch.device(device)
         self.precision = precision or Precision()
-        self._batches_stay = self.root_device.type == "cpu"  # DataLoaders yield CPU tensors already
+        # DataLoaders yield CPU tensors already: on the CPU in fp32 a batch needs no walk at all.
+        self._batches_stay = self.root_device.type == "cpu" and self.precision.cast_dtype is None
 
     # --- topology -----------------------------------------------------------
     @property
@@ -55,13 +56,15 @@ class Strategy:
 
     # --- setup --------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Move (and, in subclasses, wrap) the module; returns what the loops call."""
-        return module.to(self.root_device)
+        """Move, cast (true precisions) and, in subclasses, wrap the module; returns what the loops call."""
+        self.precision.setup(self.root_device)
+        self._batches_stay = self.root_device.type == "cpu" and self.precision.cast_dtype is None
+        return self.precision.convert_module(module.to(self.root_device))
 
     def batch_to_device(self, batch: Any) -> Any:
         if self._batches_stay:
             return batch
-        return move_to_device(batch, self.root_device)
+        return self.precision.convert_batch(move_to_device(batch, self.root_device))
 
     # --- training -----------------------------------------------------------
     def forward_context(self) -> contextlib.AbstractContextManager[None]:

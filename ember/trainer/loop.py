@@ -67,7 +67,7 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
         )
         progress.batch_idx = batch_idx + 1
         if progress.global_step != steps_before and progress.global_step % trainer.log_every_n_steps == 0:
-            trainer._log_metrics(collector.step_values)
+            trainer._log_metrics(trainer._step_metrics())
         hooks.on_train_batch_end(outputs, batch, batch_idx)
         if validates and plan.validates_after(batch_idx):
             validate_after(trainer, module, val_loaders, batch_idx)

@@ -175,7 +175,11 @@ class Trainer:
     @property
     def callback_metrics(self) -> dict[str, float]:
         """Latest value of everything logged (step values and epoch aggregates), as floats."""
-        return to_floats({**self._epoch_metrics, **self.train_collector.step_values})
+        return to_floats({**self._epoch_metrics, **self._step_metrics()})
+
+    def _step_metrics(self) -> dict[str, Any]:
+        """The latest step values: what the module logged plus the precision plugin's (skipped steps)."""
+        return {**self.train_collector.step_values, **self.strategy.precision.step_metrics()}
 
     @property
     def logged_metrics(self) -> dict[str, float]:

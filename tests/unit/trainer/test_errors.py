@@ -236,7 +236,7 @@ def test_module_without_configure_optimizers(tmp_path: Path) -> None:
     [
         ({"precision": "17-weird"}, ValueError, r"precision='17-weird' is not valid.*32-true"),
         ({"precision": 8}, ValueError, r"precision=8 is not valid.*32-true"),
-        ({"precision": "16-mixed"}, ValueError, r"not available in this version.*32-true"),
+        ({"precision": "bf16"}, ValueError, r"precision='bf16' is not valid.*bf16-mixed"),
         ({"accelerator": "tpu"}, ValueError, r"accelerator='tpu' is not valid.*cpu"),
         ({"devices": 4}, ValueError, r"devices=4.*devices=1"),
         ({"strategy": "ddp"}, ValueError, r"strategy='ddp' is not valid"),
