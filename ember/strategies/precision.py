@@ -107,7 +107,7 @@ class MixedPrecision(Precision):
     def forward_context(self) -> contextlib.AbstractContextManager[None]:
         if self._autocast is None:
             raise RuntimeError("the precision plugin was not set up; the strategy calls setup(device)")
-        return self._autocast  # type: ignore[no-any-return]
+        return self._autocast
 
     def scale_loss(self, loss: Tensor) -> Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
@@ -121,7 +121,8 @@ class MixedPrecision(Precision):
             return super().optimizer_step(optimizer, closure)
         if closure is not None:
             raise ValueError("16-mixed does not support optimizer closures (e.g. LBFGS); use bf16-mixed or 32-true")
-        found = self.scaler._found_inf_per_device(optimizer)  # unscale_gradients ran before clipping  # device tensors: no host sync
+        # unscale_gradients ran before clipping; the found-inf flags are device tensors: no host sync here
+        found = self.scaler._found_inf_per_device(optimizer)
         result = self.scaler.step(optimizer)
         self.scaler.update()
         assert self.skipped_steps is not None
