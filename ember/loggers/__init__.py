@@ -1,6 +1,8 @@
-"""Loggers: where metrics go. Heavy back ends are imported inside their modules."""
+"""Loggers: where metrics go. Heavy back ends (tensorboard, wandb) are imported when a run first writes."""
 
 from ember.loggers.csv import CSVLogger
 from ember.loggers.logger import Logger
+from ember.loggers.tensorboard import TensorBoardLogger
+from ember.loggers.wandb import WandbLogger
 
-__all__ = ["CSVLogger", "Logger"]
+__all__ = ["CSVLogger", "Logger", "TensorBoardLogger", "WandbLogger"]

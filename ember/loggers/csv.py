@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ember.loggers.logger import Logger
+from ember.loggers.logger import Logger, public_params
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -51,10 +51,11 @@ class CSVLogger(Logger):
         self._rows.append(row)
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
+        """Write ``hparams.yaml`` (entries named like credentials are left out)."""
         from omegaconf import OmegaConf
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        text = OmegaConf.to_yaml(OmegaConf.create(_plain(params)))
+        text = OmegaConf.to_yaml(OmegaConf.create(_plain(public_params(params))))
         write_atomic(self.log_dir / "hparams.yaml", text)
 
     def save(self) -> None:

@@ -3,8 +3,30 @@
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+#: Hyperparameter names that look like credentials; loggers never write their values.
+_SECRET_NAME = re.compile(r"api[_-]?key|token|secret|password|passwd", re.IGNORECASE)
+
+
+def public_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """`params` without entries whose name looks like a credential (``api_key``, ``token``, ...), recursively.
+
+    Every ember logger passes hyperparameters through this, so a key that found
+    its way into a config never reaches a metrics file or a W&B run.
+    """
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if _SECRET_NAME.search(str(key)):
+            continue
+        out[str(key)] = public_params(value) if isinstance(value, Mapping) else value
+    return out
 
 
 class Logger:
@@ -18,6 +40,11 @@ class Logger:
     directory (``runs/<name>/<version>/``), which the trainer hands over with
     `attach` before the first write.
     """
+
+    #: Write histograms of weights and gradients every N optimizer steps (None: never). Loggers that
+    #: can show histograms take it as a constructor argument; the trainer then adds the
+    #: `ember.callbacks.ParameterHistograms` callback that collects them.
+    log_histograms_every_n_steps: int | None = None
 
     def __init__(self, save_dir: str | os.PathLike[str] | None = None) -> None:
         self._save_dir = Path(save_dir) if save_dir is not None else None
@@ -40,6 +67,12 @@ class Logger:
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         """Write the run's hyperparameters (the resolved config, else the module's hparams)."""
+
+    def log_histograms(self, values: dict[str, Tensor], step: int) -> None:
+        """Write histograms of tensors (weights, gradients) at `step`; ignored by loggers without histograms."""
+
+    def after_save_checkpoint(self, checkpoint_path: Path) -> None:
+        """Called once a checkpoint at `checkpoint_path` is complete on disk (W&B can upload it)."""
 
     def save(self) -> None:
         """Flush buffered data to disk (called at epoch ends and before checkpoints)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,9 +29,11 @@ def next_version(root: Path) -> str:
 
 
 def resolve_loggers(option: bool | Logger | Sequence[Logger] | None) -> list[Logger]:
-    """``True``: a CSV logger in the run directory; ``False``/``None``: none; else the given ones."""
+    """``True``: TensorBoard and CSV in the run directory; ``False``/``None``: none; else the given ones."""
     if option is True:
-        return [CSVLogger()]
+        from ember.loggers.tensorboard import TensorBoardLogger
+
+        return [TensorBoardLogger(), CSVLogger()]
     if option is False or option is None:
         return []
     loggers = [option] if isinstance(option, Logger) else list(option)
@@ -40,18 +43,49 @@ def resolve_loggers(option: bool | Logger | Sequence[Logger] | None) -> list[Log
     return loggers
 
 
+def stdout_is_terminal() -> bool:
+    """Whether stdout is an interactive terminal (not a file, pipe, CI or SLURM log)."""
+    isatty = getattr(sys.stdout, "isatty", None)
+    return bool(isatty and isatty())
+
+
 def default_callbacks(trainer: Trainer) -> list[Callback]:
-    """Built-in callbacks the options ask for, unless the user passed one of the same kind."""
+    """Built-in callbacks the options ask for, unless the user passed one of the same kind.
+
+    The progress display is `RichProgressBar` when stdout is a terminal and
+    `ProgressLine` otherwise; `ParameterHistograms` joins when a logger asks
+    for histograms.
+    """
+    from ember.callbacks.gradient_monitor import ParameterHistograms
     from ember.callbacks.model_checkpoint import ModelCheckpoint
     from ember.callbacks.model_summary import ModelSummary
     from ember.callbacks.progress import ProgressLine
+    from ember.callbacks.rich_progress import RichProgressBar
 
-    present = {type(cb) for cb in trainer.user_callbacks}
+    def present(*kinds: type) -> bool:
+        return any(isinstance(cb, kinds) for cb in trainer.user_callbacks)
+
     wanted: list[Callback] = []
-    if trainer.enable_model_summary and ModelSummary not in present:
+    if trainer.enable_model_summary and not present(ModelSummary):
         wanted.append(ModelSummary())
-    if trainer.enable_progress_bar and ProgressLine not in present:
-        wanted.append(ProgressLine())
-    if trainer.enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in trainer.user_callbacks):
+    if trainer.enable_progress_bar and not present(ProgressLine, RichProgressBar):
+        wanted.append(RichProgressBar() if stdout_is_terminal() else ProgressLine())
+    if trainer.enable_checkpointing and not present(ModelCheckpoint):
         wanted.append(ModelCheckpoint())
+    if any(logger.log_histograms_every_n_steps for logger in given_loggers(trainer)) and not present(
+        ParameterHistograms
+    ):
+        wanted.append(ParameterHistograms())
     return wanted
+
+
+def given_loggers(trainer: Trainer) -> list[Logger]:
+    """The loggers the user passed (resolved or not yet), without building the defaults."""
+    if trainer.loggers:
+        return trainer.loggers
+    option = trainer._logger_option
+    if isinstance(option, Logger):
+        return [option]
+    if isinstance(option, Sequence):
+        return [logger for logger in option if isinstance(logger, Logger)]
+    return []
