@@ -1,0 +1,183 @@
+"""The ``ember`` command: parse the command line, load and check the config, build the objects, run.
+
+::
+
+    ember fit -c configs/digits.yaml trainer.max_epochs=3 --module.lr=3e-4
+    ember fit -c configs/digits.yaml --resume last
+    ember test -c configs/digits.yaml --ckpt-path best
+    ember fit -c configs/digits.yaml --print-config
+
+Every config mistake is found before anything is built: one line on stderr, exit code 2, no run
+directory (``--debug`` adds the traceback). The schema and the checks live in `ember.config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ember.modules.datamodule import DataModule
+    from ember.modules.module import TrainingModule
+    from ember.trainer.trainer import Trainer
+
+COMMANDS = {
+    "fit": "train the module (and validate it as configured)",
+    "validate": "run one validation epoch",
+    "test": "run one test epoch",
+    "predict": "run predict_step on the predict data; saves the outputs to <run dir>/predictions.pt",
+}
+
+EPILOG = """\
+overrides: key=value or --key=value, with the value read as YAML, e.g. trainer.max_epochs=3
+module.lr=3e-4 --data.batch_size=32 'trainer.callbacks=[]'. Layers, later wins: schema defaults <
+each -c file in order < overrides. Exit code 2: a config or command-line mistake (nothing was run).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``ember`` command (overrides are the arguments it does not know)."""
+    parser = argparse.ArgumentParser(
+        prog="ember", description="Run an ember TrainingModule from YAML configs.", allow_abbrev=False
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, text in COMMANDS.items():
+        sub = commands.add_parser(
+            name,
+            help=text,
+            description=f"ember {name}: {text}.",
+            epilog=EPILOG,
+            allow_abbrev=False,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        sub.add_argument(
+            "-c", "--config", action="append", default=[], metavar="FILE", help="a YAML config; repeat to layer"
+        )
+        sub.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+        sub.add_argument("--seed", type=int, metavar="N", help="seed everything with N (same as seed=N)")
+        sub.add_argument("--debug", action="store_true", help="show full tracebacks")
+        if name == "fit":
+            sub.add_argument(
+                "--resume",
+                metavar="last|PATH",
+                help="continue from a checkpoint; 'last': the newest complete one of this run name",
+            )
+        else:
+            sub.add_argument(
+                "--ckpt-path",
+                metavar="best|last|PATH",
+                help="load these weights first; 'best'/'last': from the newest run of this run name",
+            )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``ember`` and ``python -m ember``; returns the exit code."""
+    from ember.config import ConfigError
+
+    args, overrides = build_parser().parse_known_args(argv)
+    try:
+        return _main(args, overrides)
+    except ConfigError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"ember: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ember: interrupted; `--resume last` continues from the last checkpoint", file=sys.stderr)
+        return 130
+
+
+def _main(args: argparse.Namespace, overrides: list[str]) -> int:
+    from ember import config
+
+    config.add_import_roots(args.config)
+    if args.seed is not None:
+        overrides = [*overrides, f"seed={args.seed}"]
+    loaded = config.load(args.config, overrides)
+    resolved = config.resolve(loaded)
+    config.check(loaded, resolved)
+    ckpt_path = _checkpoint_option(args)
+    if args.print_config:
+        sys.stdout.write(config.to_yaml(resolved))
+        return 0
+    trainer, module, data = build(resolved)
+    run(args.command, trainer, module, data, ckpt_path)
+    return 0
+
+
+def _checkpoint_option(args: argparse.Namespace) -> str | None:
+    from ember.config import ConfigError
+
+    option, value = ("--resume", args.resume) if args.command == "fit" else ("--ckpt-path", args.ckpt_path)
+    if value is not None and value not in ("last", "best") and not Path(value).exists():
+        raise ConfigError(f"{option}: no checkpoint at {value}; give a checkpoint path, 'last' or 'best'")
+    if value is None and args.command != "fit" and not args.print_config:
+        print(f"ember: note: no --ckpt-path given; {args.command} uses the weights the module is built with")
+    return value
+
+
+def build(config: dict[str, Any]) -> tuple[Trainer, TrainingModule, DataModule]:
+    """Seed, then build the trainer (callbacks, loggers), the module and the data from a checked config.
+
+    The module gets the config's ``optimizer``/``lr_scheduler`` sections as ``optimizer_config``; the
+    trainer gets the whole config as ``run_config`` (saved as config.yaml, in checkpoints, as hparams).
+    """
+    import ember
+    from ember.config import ConfigError, instantiate
+
+    if config["seed"] is not None:
+        ember.seed_everything(config["seed"])
+    options = dict(config["trainer"])
+    for key in ("callbacks", "logger", "strategy"):
+        options[key] = instantiate(options[key], f"trainer.{key}")
+    try:
+        trainer = ember.Trainer(**options)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ConfigError(f"trainer: {exc}") from exc
+    module = instantiate(config["module"], "module")
+    data = instantiate(config["data"], "data")
+    for key, value, cls in (("module", module, ember.TrainingModule), ("data", data, ember.DataModule)):
+        if not isinstance(value, cls):
+            raise ConfigError(
+                f"{key}: {config[key]['_target_']} built a {type(value).__qualname__}, not an ember.{cls.__name__}"
+            )
+    if config["optimizer"] is not None:
+        module.optimizer_config = {"optimizer": config["optimizer"], "lr_scheduler": config["lr_scheduler"]}
+    trainer.run_config = config
+    return trainer, module, data
+
+
+def run(command: str, trainer: Trainer, module: TrainingModule, data: DataModule, ckpt_path: str | None) -> None:
+    """Call ``trainer.<command>`` and print a one-line summary (predict also saves its outputs)."""
+    kwargs: dict[str, Any] = {"datamodule": data}
+    if ckpt_path is not None:
+        kwargs["ckpt_path"] = ckpt_path
+    start = time.perf_counter()
+    if command == "fit":
+        trainer.fit(module, **kwargs)
+        metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        where = f"{trainer.current_epoch} epochs, {trainer.global_step} steps"
+    elif command == "predict":
+        import torch
+
+        predictions = trainer.predict(module, **kwargs)
+        path = trainer.run_dir / "predictions.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(predictions, path)
+        n = len(predictions)
+        elapsed = time.perf_counter() - start
+        print(f"predict done in {elapsed:.1f} s: {n} batch{'es' * (n != 1)} of outputs saved to {path}")
+        return
+    else:
+        results = trainer.validate(module, **kwargs) if command == "validate" else trainer.test(module, **kwargs)
+        metrics = {k: v for result in results for k, v in result.items()}
+        where = f"{len(results)} dataloader{'s' * (len(results) != 1)}"
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
+    elapsed = time.perf_counter() - start
+    print(f"{command} done in {elapsed:.1f} s ({where}): {shown or 'no metrics'}; run dir {trainer.run_dir}")

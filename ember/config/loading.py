@@ -1,0 +1,235 @@
+"""Loading a config: YAML files and command-line overrides merged over the schema, then resolved.
+
+Layers merge in order, the later one winning: schema defaults < each ``-c`` file < overrides. A mistake
+is a `ConfigError` whose one-line message says where the value was set (``file:line`` or ``command
+line``), the full key path and, where one exists, the nearest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf import errors as oc_errors
+
+from ember.config.schema import ConfigError, RunConfig, lookup, schema_type, split_key
+from ember.config.targets import SCHEDULER_OPTIONS, accepted_names
+
+
+@dataclass
+class Layer:
+    """One source of values: a YAML file or the command line."""
+
+    label: str
+    values: dict[str, Any]
+    path: Path | None = None
+
+    def line_of(self, key: str) -> int | None:
+        """1-based line of `key` (or of its deepest present parent) in this layer's file."""
+        if self.path is None:
+            return None
+        node: Any = yaml.compose(self.path.read_text(encoding="utf-8"))
+        line = None
+        for part in split_key(key):
+            if isinstance(node, yaml.MappingNode):
+                match = [(k, v) for k, v in node.value if k.value == part]
+                if not match:
+                    break
+                line, node = match[0][0].start_mark.line + 1, match[0][1]
+            elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+                node = node.value[part]
+                line = node.start_mark.line + 1
+            else:
+                break
+        return line
+
+
+@dataclass
+class LoadedConfig:
+    """The merged (unresolved) config and the layers it came from, to say where a bad value was set."""
+
+    config: DictConfig
+    layers: list[Layer]
+
+    def where(self, key: str) -> str:
+        """``file:line`` or ``command line`` of the last layer that set `key` or a parent of it; "" if none."""
+        parts = split_key(key)
+        for depth in range(len(parts), 0, -1):
+            for layer in reversed(self.layers):
+                if lookup(layer.values, parts[:depth])[0]:
+                    line = layer.line_of(key)
+                    return f"{layer.label}:{line}" if line else layer.label
+        return ""
+
+    def error(self, key: str, problem: str) -> ConfigError:
+        """A `ConfigError` for `key`, prefixed with where it was set."""
+        where = self.where(key)
+        return ConfigError(f"{where}: {key}: {problem}" if where else f"{key}: {problem}")
+
+
+def read_yaml(path: str | Path) -> Layer:
+    """One config file as a layer; a missing file or a YAML syntax error is a `ConfigError` (file:line:col)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from exc
+    try:
+        values = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        pos = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"{pos}: YAML syntax error: {exc.problem or exc.context}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: YAML syntax error: {exc}") from exc
+    if not isinstance(values, DictConfig):
+        raise ConfigError(f"{path}: expected a mapping of sections (seed, trainer, module, data, ...), got a list")
+    return Layer(str(path), OmegaConf.to_container(values), Path(path))  # type: ignore[arg-type]
+
+
+def parse_overrides(items: Iterable[str]) -> Layer:
+    """``key=value`` and ``--key=value`` items (values parsed as YAML) as one command-line layer."""
+    dotlist = []
+    for item in items:
+        text = item[2:] if item.startswith("--") else item
+        if "=" not in text or text.startswith("="):
+            form = f"{item}=VALUE" if item.startswith("--") else "key=value or --key=value"
+            raise ConfigError(f"command line: {item!r} is not an option or an override; write {form}")
+        dotlist.append(text)
+    try:
+        values = OmegaConf.from_dotlist(dotlist)
+    except (yaml.YAMLError, oc_errors.OmegaConfBaseException) as exc:
+        raise ConfigError(f"command line: cannot parse override: {str(exc).splitlines()[0]}") from exc
+    return Layer("command line", OmegaConf.to_container(values))  # type: ignore[arg-type]
+
+
+def load(files: Sequence[str | Path], overrides: Sequence[str] = ()) -> LoadedConfig:
+    """Merge schema defaults < `files` in order < `overrides`; checks keys and types as it goes."""
+    layers = [read_yaml(f) for f in files]
+    if overrides:
+        layers.append(parse_overrides(overrides))
+    config = OmegaConf.structured(RunConfig)
+    loaded = LoadedConfig(config, [])
+    for layer in layers:
+        loaded.layers.append(layer)
+        current = OmegaConf.to_container(loaded.config, resolve=False)
+        if drop_unaccepted_kwargs(current, layer.values):  # type: ignore[arg-type]
+            loaded.config = OmegaConf.merge(OmegaConf.structured(RunConfig), current)  # type: ignore[assignment]
+        try:
+            loaded.config = OmegaConf.merge(loaded.config, OmegaConf.create(layer.values))  # type: ignore[assignment]
+        except oc_errors.ConfigKeyError as exc:
+            raise loaded.error(str(exc.full_key), unknown_key_problem(loaded.config, str(exc.full_key))) from exc
+        except (oc_errors.ValidationError, oc_errors.ConfigTypeError) as exc:
+            key = str(exc.full_key)
+            raise loaded.error(key, type_problem(key, lookup(layer.values, split_key(key))[1], exc)) from exc
+    return loaded
+
+
+def drop_unaccepted_kwargs(current: dict[str, Any], values: dict[str, Any]) -> bool:
+    """Where `values` name a new ``_target_``, drop from `current` the keywords it does not take; True if any.
+
+    So ``lr_scheduler._target_=torch.optim.lr_scheduler.CosineAnnealingLR`` over a ``StepLR`` section
+    forgets ``step_size`` and ``gamma``, while ``optimizer._target_=torch.optim.SGD`` over ``AdamW``
+    keeps ``lr`` and ``weight_decay`` (as jsonargparse does for a new ``class_path``).
+    """
+    dropped = False
+    for key, value in values.items():
+        node = current.get(key)
+        if not isinstance(value, dict) or not isinstance(node, dict):
+            continue
+        target, accepted = value.get("_target_"), None
+        if isinstance(target, str) and node.get("_target_") not in (None, target):
+            accepted = accepted_names(target)
+        if accepted is not None:
+            keep = {"_target_", *value, *accepted, *(SCHEDULER_OPTIONS if key == "lr_scheduler" else ())}
+            for name in [k for k in node if k not in keep]:
+                del node[name]
+                dropped = True
+        dropped = drop_unaccepted_kwargs(node, value) or dropped
+    return dropped
+
+
+def unknown_key_problem(config: DictConfig, key: str) -> str:
+    """ "no such key; did you mean trainer.max_epochs?": the first unknown part of `key`, swapped for the nearest."""
+    parts = key.split(".")
+    node: Any = OmegaConf.to_container(config, resolve=False)
+    for i, part in enumerate(parts):
+        siblings = [str(k) for k in node] if isinstance(node, dict) else []
+        if part in siblings:
+            node = node[part]
+            continue
+        close = difflib.get_close_matches(part, siblings, n=1)
+        if close:
+            return f"no such key; did you mean {'.'.join([*parts[:i], close[0], *parts[i + 1 :]])}?"
+        where = f" of {'.'.join(parts[:i])}" if i else ""
+        if len(siblings) > 10:
+            return f"no such key{where}; --print-config lists every key"
+        return f"no such key; valid keys{where}: {', '.join(siblings)}"
+    return "no such key"
+
+
+def type_problem(key: str, value: Any, exc: Exception) -> str:
+    """ "expected int or null, got 'ten'" from the schema's annotation for `key`."""
+    expected = schema_type(key)
+    if expected is None:
+        return str(exc).splitlines()[0]
+    return f"expected {expected}, got {value!r}"
+
+
+def resolve(loaded: LoadedConfig) -> dict[str, Any]:
+    """Resolve interpolations (``${module.lr}``, ``${oc.env:VAR,default}``) into a plain dict.
+
+    A missing required value (``???`` or an absent ``module``/``data``) or an interpolation that
+    cannot be resolved is a `ConfigError`.
+    """
+    try:
+        missing = OmegaConf.missing_keys(loaded.config)
+        if missing:
+            first = min(missing, key=lambda k: (_SECTIONS.index(str(split_key(k)[0])), k))
+            raise loaded.error(first, "missing required value" + _MISSING_HINTS.get(first, ""))
+        return OmegaConf.to_container(loaded.config, resolve=True)  # type: ignore[return-value]
+    except (oc_errors.ValidationError, oc_errors.InterpolationResolutionError) as exc:
+        key = str(exc.full_key)
+        given = lookup(OmegaConf.to_container(loaded.config, resolve=False), split_key(key))[1]
+        raise loaded.error(key, _resolution_problem(loaded.config, given, exc)) from exc
+
+
+def _resolution_problem(config: DictConfig, given: Any, exc: Exception) -> str:
+    message = str(exc).splitlines()[0]
+    if isinstance(exc, oc_errors.InterpolationValidationError):  # resolved to a value of the wrong type
+        value = re.search(r"Value (.*?) of type", message)
+        expected = schema_type(str(getattr(exc, "full_key", "")))
+        if value and expected:
+            return f"expected {expected}, got {value.group(1)} (from {given})"
+    missing = re.fullmatch(r"Interpolation key '(.+)' not found", message)
+    if missing:
+        return f"cannot resolve {given!r}: {missing.group(1)}: {unknown_key_problem(config, missing.group(1))}"
+    return f"cannot resolve {given!r}: {message}"
+
+
+_SECTIONS = [f.name for f in dataclasses.fields(RunConfig)]
+
+
+_MISSING_HINTS = {
+    "module": "; add a module section: _target_ (your TrainingModule class) and its arguments",
+    "data": "; add a data section: _target_ (your DataModule class) and its arguments",
+}
+
+
+def add_import_roots(files: Sequence[str | Path]) -> None:
+    """Put each config file's folder and the cwd at the front of `sys.path` (as ``python script.py`` does)."""
+    for root in [*[str(Path(f).resolve().parent) for f in files], str(Path.cwd())][::-1]:
+        if root not in sys.path:
+            sys.path.insert(0, root)
+
+
+def to_yaml(config: dict[str, Any]) -> str:
+    """A resolved config as YAML that `load` reads back to the same values."""
+    return OmegaConf.to_yaml(OmegaConf.create(config))
