@@ -34,6 +34,8 @@ def run_training_batch(
         with strategy.forward_context():
             output = module.training_step(batch, batch_idx)
         loss = _loss_of(output)
+        if loss is not None and trainer._finite_guard.mode is not None:
+            loss = loss if trainer._finite_guard.admits(loss, trainer.progress.global_step + 1) else None
         if loss is not None:
             backward(trainer, loss / window_size if window_size > 1 else loss)
             trainer._window_has_grads = True

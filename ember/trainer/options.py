@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from datetime import timedelta
 from typing import Any
@@ -103,3 +104,25 @@ def resolve_strategy(strategy: str | Strategy, accelerator: str, devices: int | 
         raise ValueError(f"strategy={strategy!r} is not valid; choose 'auto', 'single_device' or a Strategy instance")
     use_cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
     return Strategy("cuda:0" if use_cuda else "cpu", plugin)
+
+
+_COMPILE_KEYS = ("mode", "fullgraph", "dynamic", "backend", "options")
+_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_options(value: bool | dict[str, Any]) -> dict[str, Any] | None:
+    """``compile=True`` -> {} (torch.compile defaults); a dict is checked key by key; False -> None."""
+    if value is False or value is None:
+        return None
+    if value is True:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"compile must be True, False or a dict of torch.compile options; got {value!r}")
+    for key in value:
+        if key not in _COMPILE_KEYS:
+            close = difflib.get_close_matches(str(key), _COMPILE_KEYS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(_COMPILE_KEYS)}"
+            raise ValueError(f"compile: unknown option {key!r}{hint}")
+    if value.get("mode", "default") not in _COMPILE_MODES:
+        raise ValueError(f"compile: mode={value['mode']!r}; choose one of: {', '.join(_COMPILE_MODES)}")
+    return dict(value)

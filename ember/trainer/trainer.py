@@ -29,6 +29,7 @@ from ember.modules.optimizers import ManualOptimizer, SchedulerConfig, parse_opt
 from ember.strategies.strategy import Strategy
 from ember.trainer import checkpointing, loop, options, signals
 from ember.trainer.data import EpochPlan, check_not_empty, num_batches, resolve_loaders
+from ember.trainer.numerics import FiniteGuard
 from ember.trainer.progress import Progress
 
 _LIMIT_NAME = {"validation": "val", "test": "test", "predict": "predict"}
@@ -76,6 +77,8 @@ class Trainer:
         deterministic: bool = False,
         fast_dev_run: bool | int = False,
         detect_anomaly: bool = False,
+        nonfinite_loss: str | None = None,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
         options.check(
             accumulate_grad_batches=accumulate_grad_batches,
@@ -127,6 +130,8 @@ class Trainer:
         self.deterministic = deterministic
         self.fast_dev_run = fast_dev_run
         self.detect_anomaly = detect_anomaly
+        self._finite_guard = FiniteGuard(nonfinite_loss)
+        self.compile_options = options.compile_options(compile)
 
         self.progress = Progress()
         self.should_stop = False
@@ -360,6 +365,9 @@ class Trainer:
         self.hooks = hooks
         module._trainer = self
         self._model = self.strategy.setup_module(module)
+        if self.compile_options is not None and not getattr(module, "_ember_compiled", False):
+            module.compile(**self.compile_options)  # in place: state_dict keys stay clean
+            module._ember_compiled = True
         if self.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
@@ -477,6 +485,7 @@ class Trainer:
         return epochs_done or self._should_stop_in_epoch()
 
     def _log_metrics(self, metrics: dict[str, Any]) -> None:
+        self._finite_guard.check()  # the loggers are about to sync anyway
         if not metrics or not self.loggers or not self.is_global_zero:
             return
         floats = to_floats(metrics)
