@@ -101,7 +101,7 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = [*overrides, f"seed={args.seed}"]
     loaded = config.load(args.config, overrides)
     resolved = config.resolve(loaded)
-    config.check(loaded, resolved)
+    config.check(loaded, resolved, args.command)
     ckpt_path = _checkpoint_option(args)
     if args.print_config:
         sys.stdout.write(config.to_yaml(resolved))

@@ -55,6 +55,8 @@ class TrainerConfig:
     deterministic: bool = False
     fast_dev_run: bool | int = False
     detect_anomaly: bool = False
+    nonfinite_loss: str | None = None
+    compile: Any = False  # true, false, or a mapping of torch.compile keywords
 
 
 @dataclass

@@ -155,8 +155,14 @@ def _accepts(hint: Any, value: Any) -> bool | None:
     return False
 
 
-def check(loaded: LoadedConfig, config: dict[str, Any]) -> None:
-    """Check every ``_target_`` section of a resolved config before anything is built."""
+_STAGE_LOADERS = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
+
+
+def check(loaded: LoadedConfig, config: dict[str, Any], command: str | None = None) -> None:
+    """Check every ``_target_`` section of a resolved config before anything is built.
+
+    With `command` ("fit", "test", ...), the data class must also define that stage's dataloader.
+    """
     from ember.callbacks.callback import Callback
     from ember.loggers.logger import Logger
     from ember.modules.datamodule import DataModule
@@ -164,6 +170,10 @@ def check(loaded: LoadedConfig, config: dict[str, Any]) -> None:
 
     check_target(loaded, config["module"], "module", base=TrainingModule)
     check_target(loaded, config["data"], "data", base=DataModule)
+    data_cls = import_target(config["data"]["_target_"])
+    loader = f"{_STAGE_LOADERS[command]}_dataloader" if command else None
+    if loader and inspect.isclass(data_cls) and getattr(data_cls, loader) is getattr(DataModule, loader):
+        raise loaded.error("data._target_", f"{config['data']['_target_']} has no {loader}(), which `{command}` needs")
     trainer = config["trainer"]
     for i, spec in enumerate(trainer["callbacks"] or []):
         check_target(loaded, spec, f"trainer.callbacks[{i}]", base=Callback)

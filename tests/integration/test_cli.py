@@ -37,6 +37,8 @@ trainer:
     - _target_: {CHECKPOINT}
       monitor: val/acc
       mode: max
+  logger:
+    - _target_: ember.loggers.CSVLogger
 module:
   _target_: my_project.models.Net
   hidden: 16
@@ -96,8 +98,14 @@ def make_project(root: Path, config: str = NET_YAML) -> Path:
 # --- fit from YAML ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fit_digits_with_overrides_saves_config_and_metrics_and_the_saved_config_reproduces(tmp_path: Path) -> None:
-    limits = ["trainer.max_epochs=2", "trainer.limit_train_batches=3", "trainer.enable_checkpointing=false"]
+    limits = [
+        "trainer.max_epochs=2",
+        "trainer.limit_train_batches=3",
+        "trainer.callbacks=[]",
+        "trainer.enable_checkpointing=false",
+    ]
     out = ember("fit", "-c", DIGITS, *limits, "module.hidden=32", "--data.batch_size=32", cwd=tmp_path).stdout
     run_dir = tmp_path / "runs" / "classifier" / "version_0"
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -345,7 +353,12 @@ BAD: list[tuple[str, list[str], list[str]]] = [
     (
         "optimizer section ignored by the module",
         [*NET, "-c", "{own_optimizer}"],
-        ["net.yaml:16: optimizer: examples.digits.Classifier defines its own configure_optimizers()"],
+        ["net.yaml:18: optimizer: examples.digits.Classifier defines its own configure_optimizers()"],
+    ),
+    (
+        "data without the stage's dataloader",
+        ["validate", *NET[1:], "data._target_=ember.DataModule"],
+        ["command line: data._target_: ember.DataModule has no val_dataloader(), which `validate` needs"],
     ),
     (
         "override without a value",
