@@ -60,6 +60,9 @@ class DigitsData(ember.DataModule):
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
 
+    def predict_dataloader(self) -> DataLoader:
+        return self.val_dataloader()  # predict_step takes the images of each (images, labels) batch
+
 
 def main() -> None:
     ember.seed_everything(42)
