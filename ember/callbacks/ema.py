@@ -85,7 +85,7 @@ class EMA(Callback):
                     "it was saved for a different module (or with another include_buffers)"
                 )
             self._averaged = [
-                self._loaded[n].to(t.device, t.dtype) for n, t in zip(self._names, self._live, strict=True)
+                self._loaded[n].to(t.device, t.dtype, copy=True) for n, t in zip(self._names, self._live, strict=True)
             ]
             self._loaded = None
 

@@ -27,9 +27,9 @@ class GradientMonitor(Callback):
     The norm is taken in ``on_before_optimizer_step``: after mixed-precision
     unscaling and before gradient clipping, over every gradient the optimizer
     is about to apply, exactly as ``torch.nn.utils.clip_grad_norm_`` would
-    measure it. It is computed only on logged steps (every ``every_n_steps``,
-    default ``log_every_n_steps``) and stays a tensor until the loggers write
-    it. ``per_parameter=True`` also logs ``grad_norm/<parameter name>``. With
+    measure it. It is computed only on the trainer's logging steps (every
+    ``log_every_n_steps``) and stays a tensor until the loggers write it.
+    ``per_parameter=True`` also logs ``grad_norm/<parameter name>``. With
     several optimizers (manual optimization) the names get ``/optimizer_<i>``.
     """
 
@@ -37,20 +37,16 @@ class GradientMonitor(Callback):
         self,
         norm_type: float = 2.0,
         *,
-        every_n_steps: int | None = None,
         per_parameter: bool = False,
         name: str = "train/grad_norm",
     ) -> None:
-        if every_n_steps is not None and every_n_steps < 1:
-            raise ValueError(f"GradientMonitor(every_n_steps={every_n_steps!r}): use a positive int")
         self.norm_type = float(norm_type)
-        self.every_n_steps = every_n_steps
         self.per_parameter = per_parameter
         self.name = name
 
     def on_before_optimizer_step(self, trainer: Trainer, module: TrainingModule, optimizer: Optimizer) -> None:
         """On logged steps, log the norm of the gradients `optimizer` is about to apply."""
-        if (trainer.global_step + 1) % (self.every_n_steps or trainer.log_every_n_steps):
+        if (trainer.global_step + 1) % trainer.log_every_n_steps:
             return
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not params:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch import Tensor
 from torch.optim import Optimizer
 
 from ember.callbacks.callback import Callback
@@ -12,6 +14,11 @@ from ember.callbacks.callback import Callback
 if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
+
+
+def exact(value: Any) -> Tensor:
+    """A Python number as a float64 tensor, so the loggers receive exactly the optimizer's float."""
+    return value if isinstance(value, Tensor) else torch.tensor(float(value), dtype=torch.float64)
 
 
 class LearningRateMonitor(Callback):
@@ -81,14 +88,15 @@ class LearningRateMonitor(Callback):
         return out
 
     def on_before_optimizer_step(self, trainer: Trainer, module: TrainingModule, optimizer: Optimizer) -> None:
-        """On logged steps, record the values this step is about to use."""
+        """On logged steps, record the values this step is about to use (of every optimizer)."""
         if self._interval == "step" and (trainer.global_step + 1) % trainer.log_every_n_steps == 0:
-            for name, value in self.values(optimizer).items():
-                module.log(name, value, on_step=True, on_epoch=False)
+            for opt in trainer.optimizers:
+                for name, value in self.values(opt).items():
+                    module.log(name, exact(value), on_step=True, on_epoch=False)
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
         """With the epoch interval, record the values the epoch starts with."""
         if self._interval == "epoch":
             for optimizer in trainer.optimizers:
                 for name, value in self.values(optimizer).items():
-                    module.log(name, value, on_step=False, on_epoch=True, batch_size=1)
+                    module.log(name, exact(value), on_step=False, on_epoch=True, batch_size=1)

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ember.callbacks.callback import Callback
+from ember.callbacks.lr_monitor import exact
 from ember.modules.logging import infer_batch_size
 
 if TYPE_CHECKING:
@@ -69,10 +70,10 @@ def measure_flops(forward_fn: Callable[[], Any], loss_fn: Callable[[Any], Tensor
 
 
 class ThroughputMonitor(Callback):
-    """Logs training throughput every ``every_n_steps`` optimizer steps (default: ``log_every_n_steps``).
+    """Logs training throughput on the trainer's logging steps (every ``log_every_n_steps`` optimizer steps).
 
-    Logged per process, as the mean over the batches since the previous log
-    (time spent in validation is left out):
+    Logged per process, as the mean over the batches since the previous
+    logged step (time spent in validation is left out):
 
     - ``throughput/batches_per_s`` and ``throughput/samples_per_s`` (the batch
       size is the first dimension of the first tensor in the batch, or
@@ -93,16 +94,12 @@ class ThroughputMonitor(Callback):
     def __init__(
         self,
         *,
-        every_n_steps: int | None = None,
         batch_size_fn: Callable[[Any], int] | None = None,
         length_fn: Callable[[Any], int | Tensor] | None = None,
         flops_per_batch: float | None = None,
         peak_flops_per_s: float | None = None,
         measure_flops: bool = True,
     ) -> None:
-        if every_n_steps is not None and every_n_steps < 1:
-            raise ValueError(f"ThroughputMonitor(every_n_steps={every_n_steps!r}): use a positive int")
-        self.every_n_steps = every_n_steps
         self.batch_size_fn = batch_size_fn
         self.length_fn = length_fn
         self.flops_per_batch = flops_per_batch
@@ -150,7 +147,7 @@ class ThroughputMonitor(Callback):
         A window runs from one logged step's ``on_before_optimizer_step`` to the
         next, so it spans whole steps: it counts the batches started in it.
         """
-        if (trainer.global_step + 1) % (self.every_n_steps or trainer.log_every_n_steps):
+        if (trainer.global_step + 1) % trainer.log_every_n_steps:
             return
         self._sync()
         now = time.perf_counter()
@@ -162,7 +159,7 @@ class ThroughputMonitor(Callback):
             return
         self.last = self.compute(elapsed, batches, samples, tokens)
         for name, value in self.last.items():
-            module.log(name, value, on_step=True, on_epoch=False)
+            module.log(name, exact(value), on_step=True, on_epoch=False)
 
     def compute(self, elapsed_s: float, batches: int, samples: int, tokens: float | None) -> dict[str, float]:
         """The figures for `batches` batches of `samples` samples (and `tokens` tokens) in `elapsed_s` seconds."""
