@@ -87,6 +87,18 @@ class Strategy:
     def optimizer_step(self, optimizer: Optimizer, closure: Any = None) -> Any:
         return self.precision.optimizer_step(optimizer, closure)
 
+    # --- checkpoint state -----------------------------------------------------
+    def optimizer_state(self, module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter name (independent of sharding and world size)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(module, optimizer)
+
+    def load_optimizer_state(self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(module, optimizer, state)
+
     # --- collectives (identity on one process) ------------------------------
     def reduce(self, tensor: Tensor, reduce_fx: str = "mean") -> Tensor:
         return tensor

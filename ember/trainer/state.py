@@ -54,6 +54,30 @@ class _ListState:
             item.load_state_dict(item_state)
 
 
+class _OptimizerStates:
+    """Optimizer state keyed by parameter name (not position), through the strategy.
+
+    Names make the state independent of how parameters are sharded or
+    grouped, so a checkpoint from one strategy or world size loads into another.
+    """
+
+    def __init__(self, trainer: Trainer, module: TrainingModule) -> None:
+        self.trainer, self.module = trainer, module
+
+    def state_dict(self) -> list[Any]:
+        strategy = self.trainer.strategy
+        return [strategy.optimizer_state(self.module, opt) for opt in self.trainer.optimizers]
+
+    def load_state_dict(self, state: list[Any]) -> None:
+        if len(state) != len(self.trainer.optimizers):
+            raise ckpt.CheckpointError(
+                f"the checkpoint has {len(state)} optimizers, this run has {len(self.trainer.optimizers)}; "
+                "configure the same ones to resume"
+            )
+        for opt, opt_state in zip(self.trainer.optimizers, state, strict=True):
+            self.trainer.strategy.load_optimizer_state(self.module, opt, opt_state)
+
+
 class _CallbackStates:
     """Callbacks keyed by `state_key`; a callback missing from the checkpoint keeps its fresh state."""
 
@@ -86,7 +110,7 @@ def registry(trainer: Trainer, module: TrainingModule) -> dict[str, Stateful]:
     """Everything an exact resume restores, by name."""
     entries: dict[str, Stateful] = {
         "module": module,
-        "optimizers": _ListState("optimizers", trainer.optimizers),
+        "optimizers": _OptimizerStates(trainer, module),
         "lr_schedulers": _ListState("lr schedulers", [c.scheduler for c in trainer.lr_scheduler_configs]),
         "precision": trainer.strategy.precision,
         "progress": trainer.progress,
