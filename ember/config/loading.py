@@ -120,7 +120,7 @@ def load(files: Sequence[str | Path], overrides: Sequence[str] = ()) -> LoadedCo
     for layer in layers:
         loaded.layers.append(layer)
         current = OmegaConf.to_container(loaded.config, resolve=False)
-        if drop_unaccepted_kwargs(current, layer.values):  # type: ignore[arg-type]
+        if prepare_merge(loaded, current, layer.values):  # type: ignore[arg-type]
             loaded.config = OmegaConf.merge(OmegaConf.structured(RunConfig), current)  # type: ignore[assignment]
         try:
             loaded.config = OmegaConf.merge(loaded.config, OmegaConf.create(layer.values))  # type: ignore[assignment]
@@ -132,28 +132,59 @@ def load(files: Sequence[str | Path], overrides: Sequence[str] = ()) -> LoadedCo
     return loaded
 
 
-def drop_unaccepted_kwargs(current: dict[str, Any], values: dict[str, Any]) -> bool:
-    """Where `values` name a new ``_target_``, drop from `current` the keywords it does not take; True if any.
+def prepare_merge(loaded: LoadedConfig, current: dict[str, Any], values: dict[str, Any], prefix: str = "") -> bool:
+    """Get `current` ready for `values` to merge in; True when it changed. Two things a plain merge gets wrong:
 
-    So ``lr_scheduler._target_=torch.optim.lr_scheduler.CosineAnnealingLR`` over a ``StepLR`` section
-    forgets ``step_size`` and ``gamma``, while ``optimizer._target_=torch.optim.SGD`` over ``AdamW``
-    keeps ``lr`` and ``weight_decay`` (as jsonargparse does for a new ``class_path``).
+    - A value whose shape the schema does not allow (a mapping for ``trainer.callbacks``, a number for
+      ``trainer``) is an error naming the key. Where the schema does not say (``trainer.logger``, module
+      arguments), a list replaces a mapping and the reverse.
+    - A new ``_target_`` keeps only the keywords it accepts: ``lr_scheduler._target_=...CosineAnnealingLR``
+      over ``StepLR`` forgets ``step_size`` and ``gamma``; ``optimizer._target_=torch.optim.SGD`` over
+      ``AdamW`` keeps ``lr`` and ``weight_decay`` (as jsonargparse does for a new ``class_path``).
     """
-    dropped = False
+    changed = False
     for key, value in values.items():
-        node = current.get(key)
-        if not isinstance(value, dict) or not isinstance(node, dict):
+        path, node = f"{prefix}{key}", current.get(key)
+        if _is_placeholder(value):
             continue
-        target, accepted = value.get("_target_"), None
-        if isinstance(target, str) and node.get("_target_") not in (None, target):
-            accepted = accepted_names(target)
-        if accepted is not None:
-            keep = {"_target_", *value, *accepted, *(SCHEDULER_OPTIONS if key == "lr_scheduler" else ())}
-            for name in [k for k in node if k not in keep]:
-                del node[name]
-                dropped = True
-        dropped = drop_unaccepted_kwargs(node, value) or dropped
-    return dropped
+        kind, expected = _kind(value), schema_type(path)
+        if expected is not None and not _fits(kind, expected):
+            raise loaded.error(path, f"expected {expected}, got {value!r}")
+        if _is_placeholder(node):
+            continue
+        if {kind, _kind(node)} == {"mapping", "list"}:  # the schema allows either: replace, do not merge
+            del current[key]
+            changed = True
+        elif isinstance(node, dict) and isinstance(value, dict):
+            changed = _drop_unaccepted_kwargs(node, value, with_options=key == "lr_scheduler") or changed
+            changed = prepare_merge(loaded, node, value, f"{path}.") or changed
+    return changed
+
+
+def _is_placeholder(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and ("${" in value or value == "???"))
+
+
+def _kind(value: Any) -> str:
+    return "mapping" if isinstance(value, dict) else "list" if isinstance(value, list) else "scalar"
+
+
+def _fits(kind: str, expected: str) -> bool:
+    return (kind == "mapping") == ("mapping" in expected) and (kind == "list") == ("list" in expected)
+
+
+def _drop_unaccepted_kwargs(node: dict[str, Any], value: dict[str, Any], with_options: bool) -> bool:
+    target = value.get("_target_")
+    if not isinstance(target, str) or node.get("_target_") in (None, target):
+        return False
+    accepted = accepted_names(target)
+    if accepted is None:  # takes **kwargs, or cannot be imported (reported later): keep everything
+        return False
+    keep = {"_target_", *value, *accepted, *(SCHEDULER_OPTIONS if with_options else ())}
+    dropped = [k for k in node if k not in keep]
+    for name in dropped:
+        del node[name]
+    return bool(dropped)
 
 
 def unknown_key_problem(config: DictConfig, key: str) -> str:

@@ -361,6 +361,12 @@ BAD: list[tuple[str, list[str], list[str]]] = [
         ["command line: data._target_: ember.DataModule has no val_dataloader(), which `validate` needs"],
     ),
     (
+        "a mapping where a list belongs",
+        [*NET, "trainer.callbacks={_target_: " + CHECKPOINT + "}"],
+        ["command line: trainer.callbacks: expected a list or null, got {'_target_': "],
+    ),
+    ("a number for a section", [*NET, "trainer=3"], ["command line: trainer: expected a mapping of options, got 3"]),
+    (
         "override without a value",
         [*NET, "trainer.max_epochs"],
         ["command line: 'trainer.max_epochs' is not an option or an override"],

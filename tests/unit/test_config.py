@@ -90,6 +90,20 @@ def test_a_new_target_keeps_only_the_keywords_it_accepts(tmp_path: Path) -> None
     assert same["optimizer"]["amsgrad"] is True and same["module"] == {"_target_": "x.Y", "lr": 0.1}
 
 
+def test_where_the_schema_allows_either_a_list_replaces_a_mapping(tmp_path: Path) -> None:
+    base = write(
+        tmp_path / "base.yaml",
+        "trainer:\n  logger: {_target_: ember.loggers.CSVLogger}\n  max_time: {hours: 2}\n"
+        "module: {_target_: a.B, sizes: [1, 2]}\ndata: {_target_: a.D}\n",
+    )
+    overrides = ["trainer.logger=[{_target_: ember.loggers.CSVLogger}]", "trainer.max_time=60", "module.sizes={a: 1}"]
+    resolved = config.resolve(config.load([base], overrides))
+    assert resolved["trainer"]["logger"] == [{"_target_": "ember.loggers.CSVLogger"}]
+    assert resolved["trainer"]["max_time"] == 60 and resolved["module"]["sizes"] == {"a": 1}
+    with pytest.raises(config.ConfigError, match=r"^command line: trainer.callbacks: expected a list or null, got"):
+        config.load([base], ["trainer.callbacks={_target_: x.Y}"])
+
+
 def test_interpolation_and_environment_variables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write(
         tmp_path / "run.yaml",
