@@ -32,6 +32,7 @@ class TrainerConfig:
     accelerator: str = "auto"
     devices: int | str = "auto"
     strategy: Any = "auto"  # a name, or a _target_ section
+    num_nodes: int = 1
     precision: str | int = "32-true"
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
@@ -55,6 +56,7 @@ class TrainerConfig:
     deterministic: bool = False
     fast_dev_run: bool | int = False
     detect_anomaly: bool = False
+    use_distributed_sampler: bool = True
     nonfinite_loss: str | None = None
     compile: Any = False  # true, false, or a mapping of torch.compile keywords
 

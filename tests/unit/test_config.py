@@ -28,8 +28,11 @@ def test_trainer_config_fields_are_the_trainer_keywords() -> None:
     params = inspect.signature(ember.Trainer.__init__).parameters
     keywords = {name: p.default for name, p in params.items() if name != "self"}
     fields = {f.name: f.default for f in dataclasses.fields(config.TrainerConfig)}
-    assert list(fields) == list(keywords)  # same names, same order
-    assert fields == keywords
+    hint = "keep ember/config/schema.py TrainerConfig equal to the Trainer keywords"
+    assert sorted(set(keywords) - set(fields)) == [], f"missing from TrainerConfig; {hint}"
+    assert sorted(set(fields) - set(keywords)) == [], f"not Trainer keywords; {hint}"
+    assert list(fields) == list(keywords), f"same order, for --print-config; {hint}"
+    assert fields == keywords, f"same defaults; {hint}"
     assert all(p.kind is p.KEYWORD_ONLY for name, p in params.items() if name != "self")
 
 
