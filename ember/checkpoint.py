@@ -76,6 +76,15 @@ def join_tensors(skeleton: Any, tensors: dict[str, Tensor]) -> Any:
 # --- writing -------------------------------------------------------------------------------
 
 
+def _underlying(exc: BaseException) -> BaseException:
+    """torch.distributed.checkpoint wraps errors per rank (a BaseException); return the first real one."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        return first[0] if isinstance(first, tuple) else first
+    return exc
+
+
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -92,33 +101,60 @@ def _torch_save_synced(obj: Any, path: Path) -> None:
 
 
 def write_checkpoint(
-    path: Path, meta: dict[str, Any], tensors: dict[str, Tensor], rank_meta: dict[str, Any], rank: int = 0
+    path: Path,
+    meta: dict[str, Any],
+    tensors: dict[str, Tensor],
+    rank_meta: dict[str, Any],
+    rank: int = 0,
+    world_size: int = 1,
+    group: Any = None,
 ) -> Path:
     """Write a complete checkpoint directory at `path` (which must not exist); returns `path`.
 
-    Single-process for now: this process writes the tensors, ``ember.pt`` and
-    its ``rank-N.pt``, then renames the directory into place.
+    Every process writes its tensor shards (torch.distributed.checkpoint, a
+    collective over `group` when ``world_size > 1``) and its ``rank-N.pt``;
+    rank 0 writes ``ember.pt`` and, once all files are fsynced, renames the
+    directory into place.
     """
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+
+    def barrier() -> None:
+        if world_size > 1:
+            dist.barrier(group=group)
 
     if path.exists():
         raise FileExistsError(f"checkpoint {path} already exists; ember never overwrites a checkpoint")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    # One temporary name all processes agree on (several processes), else one per process.
+    tmp = path.with_name(f".{path.name}.tmp" if world_size > 1 else f".{path.name}.tmp-{os.getpid()}")
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    barrier()
     try:
         writer = dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True, thread_count=1)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-            dcp.save(tensors, storage_writer=writer, no_dist=True)
-        _torch_save_synced({"format_version": FORMAT_VERSION, **meta}, tmp / META_FILE)
+            if world_size > 1:
+                dcp.save(tensors, storage_writer=writer, process_group=group)
+            else:
+                dcp.save(tensors, storage_writer=writer, no_dist=True)
+        if rank == 0:
+            _torch_save_synced({"format_version": FORMAT_VERSION, "world_size": world_size, **meta}, tmp / META_FILE)
         _torch_save_synced(rank_meta, tmp / f"rank-{rank}.pt")
-        _fsync_path(tmp)
-        os.rename(tmp, path)
-        _fsync_path(path.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        barrier()
+        if rank == 0:
+            _fsync_path(tmp)
+            os.rename(tmp, path)
+            _fsync_path(path.parent)
+        barrier()
+    except BaseException as exc:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        cause = _underlying(exc)
+        if cause is not exc and isinstance(cause, Exception):
+            raise CheckpointError(f"writing checkpoint {path} failed: {type(cause).__name__}: {cause}") from cause
         raise
     return path
 
@@ -236,6 +272,7 @@ def read_rank_meta(path: Path, rank: int = 0) -> dict[str, Any]:
 def read_tensors(path: Path, keys: Callable[[str], bool] = lambda _k: True) -> dict[str, Tensor]:
     """Load the tensors whose key passes `keys`, into freshly allocated CPU tensors."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = read_metadata(path)
@@ -248,8 +285,11 @@ def read_tensors(path: Path, keys: Callable[[str], bool] = lambda _k: True) -> d
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
             dcp.load(template, storage_reader=_safe_reader(path), no_dist=True)
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint {path}: reading tensors failed ({type(exc).__name__}: {exc})") from None
+    except (Exception, CheckpointException) as exc:
+        cause = _underlying(exc)
+        raise CheckpointError(
+            f"checkpoint {path}: reading tensors failed ({type(cause).__name__}: {str(cause).strip().splitlines()[0]})"
+        ) from None
     return template
 
 
@@ -270,8 +310,11 @@ def read_module_state(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     return meta, join_tensors(meta["tensor_skeleton"]["module"], tensors)
 
 
-def load_weights_into(module: Any, state: dict[str, Tensor], path: Path, module_class: str | None) -> None:
-    """``module.load_state_dict(state)`` with an error naming the first missing/unexpected keys or shapes."""
+def load_weights_into(
+    module: Any, state: dict[str, Tensor], path: Path, module_class: str | None, load: Any = None
+) -> None:
+    """``module.load_state_dict(state)`` (or ``load(module, state)``) with an error naming the first
+    missing/unexpected keys or mismatched shapes."""
     own = module.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
@@ -285,7 +328,10 @@ def load_weights_into(module: Any, state: dict[str, Tensor], path: Path, module_
             raise CheckpointError(
                 f"checkpoint {path}: {key} has shape {tuple(value.shape)}, the module expects {tuple(own[key].shape)}"
             )
-    module.load_state_dict(state)
+    if load is not None:
+        load(module, state)
+    else:
+        module.load_state_dict(state)
 
 
 def _describe_keys(missing: list[str], unexpected: list[str], valid: list[str]) -> str:
@@ -332,8 +378,9 @@ def newest_valid(directory: Path) -> Path | None:
     for path in checkpoints_in(directory):
         if path != named:
             try:
-                by_step.append((int(read_meta(path)["progress"]["global_step"]), path))
-            except (CheckpointError, KeyError, TypeError):
+                progress = read_meta(path).get("state", {}).get("progress", {})
+                by_step.append((int(progress.get("global_step", -1)), path))
+            except (CheckpointError, TypeError, ValueError):
                 continue
     candidates += [p for _, p in sorted(by_step, key=lambda sp: sp[0], reverse=True)]
     for path in candidates:

@@ -83,7 +83,9 @@ class _Entry:
             return value
         if self.total is None:
             return None
-        total = reduce(self.total, self.reduce_fx) if self.sync_dist else self.total
+        # A weighted mean over ranks is (sum of totals) / (sum of weights): reduce totals with "sum".
+        op = "sum" if self.reduce_fx == "mean" else self.reduce_fx
+        total = reduce(self.total, op) if self.sync_dist else self.total
         if self.reduce_fx == "mean":
             weight = self.weight
             if self.sync_dist:

@@ -243,7 +243,7 @@ class TrainingModule(nn.Module):
 
     def _default_eval_step(self, stage: str, batch: Any, dataloader_idx: int = 0) -> Tensor:
         loss, preds, target = self._default_forward(batch, f"{'validation' if stage == 'val' else stage}_step")
-        self.log(f"{stage}/loss", loss, prog_bar=True)
+        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True)  # synced at epoch end only
         metrics = self.__dict__.get("_modules", {}).get("metrics")
         if metrics is not None:
             for name, metric in metrics.items():

@@ -67,6 +67,29 @@ class Strategy:
         return self.precision.convert_batch(move_to_device(batch, self.root_device))
 
     # --- training -----------------------------------------------------------
+    def training_step(self, module: nn.Module, batch: Any, batch_idx: int) -> Any:
+        """Run the module's ``training_step`` (DDP runs it inside its forward)."""
+        return module.training_step(batch, batch_idx)  # type: ignore[operator]
+
+    def distribute_loader(self, loader: Any, training: bool) -> Any:
+        """The DataLoader this process iterates (multi-process strategies shard it)."""
+        return loader
+
+    def setup_environment(self) -> None:
+        """Join the process group and pick the device (nothing to do for one process)."""
+
+    @property
+    def world_size_requested(self) -> int:
+        return 1
+
+    def preemption_requested(self, local: bool) -> bool:
+        """Whether to stop for a preemption signal now (shared across processes by parallel strategies)."""
+        return local
+
+    def needs_launch(self) -> bool:
+        """Whether the processes must be started first (``devices > 1`` without a launcher)."""
+        return False
+
     def forward_context(self) -> contextlib.AbstractContextManager[None]:
         return self.precision.forward_context()
 
@@ -93,6 +116,10 @@ class Strategy:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         return get_optimizer_state_dict(module, optimizer)
+
+    def load_module_state(self, module: nn.Module, state: dict[str, Any]) -> None:
+        """Load full (unsharded) weights; sharding strategies distribute them."""
+        module.load_state_dict(state)
 
     def load_optimizer_state(self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict

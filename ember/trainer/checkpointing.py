@@ -151,26 +151,24 @@ class CheckpointWriter:
                 self._thread = threading.Thread(target=self._write_in_background, args=(req, snapshot), daemon=True)
                 self._thread.start()
             else:
-                state.write(req.path, snapshot)
-                self._finished(req)
+                self._write(req, snapshot)
+                if req.on_done is not None and snapshot.rank == 0:
+                    req.on_done(req.path)
+
+    @staticmethod
+    def _write(req: _Request, snapshot: state.Snapshot) -> None:
+        state.write(req.path, snapshot)
+        if req.set_last and snapshot.rank == 0:  # `last` only ever names a complete checkpoint
+            ckpt.point_last_at(req.path)
 
     def _write_in_background(self, req: _Request, snapshot: state.Snapshot) -> None:
         try:
-            state.write(req.path, snapshot)
-            if req.set_last:
-                ckpt.point_last_at(req.path)
+            self._write(req, snapshot)
         except BaseException as exc:  # handed to the main thread in wait()
             self._error = exc
         else:
-            if req.on_done is not None:
+            if req.on_done is not None and snapshot.rank == 0:
                 self._after_background.append((req.on_done, req.path))
-
-    @staticmethod
-    def _finished(req: _Request) -> None:
-        if req.set_last:
-            ckpt.point_last_at(req.path)
-        if req.on_done is not None:
-            req.on_done(req.path)
 
     @property
     def busy(self) -> bool:
@@ -192,16 +190,16 @@ class CheckpointWriter:
 def resume(trainer: Trainer, module: TrainingModule, path: Path) -> dict[str, Any]:
     """Restore everything from `path`; returns this process's state (random streams, data position)
     for the loop to put back when training continues."""
-    loaded = state.load(path)
+    loaded = state.load(path, trainer.global_rank)
     state.restore(trainer, module, loaded)
     trainer.epoch_start_state = loaded.rank_state.get("epoch_start")
     return loaded.rank_state
 
 
-def load_weights(module: TrainingModule, path: Path) -> None:
+def load_weights(trainer: Trainer, module: TrainingModule, path: Path) -> None:
     """Load only the module weights from `path` (for validate/test/predict)."""
     meta, weights = ckpt.read_module_state(path)
-    ckpt.load_weights_into(module, weights, path, meta.get("module_class"))
+    ckpt.load_weights_into(module, weights, path, meta.get("module_class"), trainer.strategy.load_module_state)
 
 
 def finish_writes_quietly(trainer: Trainer) -> None:

@@ -29,10 +29,10 @@ def run_training_batch(
     strategy = trainer.strategy
     if not module.automatic_optimization:
         with strategy.forward_context():
-            return _detached(module.training_step(batch, batch_idx))
+            return _detached(strategy.training_step(module, batch, batch_idx))
     with strategy.no_sync(trainer.model, enabled=not ends_window):
         with strategy.forward_context():
-            output = module.training_step(batch, batch_idx)
+            output = strategy.training_step(module, batch, batch_idx)
         loss = _loss_of(output)
         if loss is not None and trainer._finite_guard.mode is not None:
             loss = loss if trainer._finite_guard.admits(loss, trainer.progress.global_step + 1) else None

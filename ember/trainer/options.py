@@ -89,21 +89,59 @@ def parse_max_time(value: float | str | timedelta | dict[str, int] | None) -> fl
     return seconds
 
 
-def resolve_strategy(strategy: str | Strategy, accelerator: str, devices: int | str, precision: str | int) -> Strategy:
+_STRATEGIES = ("auto", "single_device", "ddp", "fsdp")
+
+
+def resolve_strategy(
+    strategy: str | Strategy,
+    accelerator: str,
+    devices: int | str,
+    num_nodes: int,
+    precision: str | int,
+    use_distributed_sampler: bool = True,
+) -> Strategy:
+    """Build the strategy the options describe; ``"auto"`` is DDP when more than one process runs."""
+    from ember.strategies.ddp import DDPStrategy
+    from ember.strategies.environment import detect
+    from ember.strategies.fsdp import FSDPStrategy
+    from ember.strategies.parallel import ParallelStrategy
+
     if accelerator not in _ACCELERATORS:
         raise ValueError(f"accelerator={accelerator!r} is not valid; choose one of: {', '.join(_ACCELERATORS)}")
     if accelerator == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("accelerator='cuda' but CUDA is not available here; use accelerator='cpu' or 'auto'")
-    if devices not in ("auto", 1, "1"):
-        raise ValueError(f"devices={devices!r}: this version runs on one device; use devices=1 or 'auto'")
-    plugin = resolve_precision(precision)
-    if isinstance(strategy, Strategy):
-        strategy.precision = plugin
-        return strategy
-    if strategy not in ("auto", "single_device"):
-        raise ValueError(f"strategy={strategy!r} is not valid; choose 'auto', 'single_device' or a Strategy instance")
+    check_positive_int("num_nodes", num_nodes)
     use_cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
-    return Strategy("cuda:0" if use_cuda else "cpu", plugin)
+    if devices == "auto":
+        cluster = detect()
+        count = cluster.world_size // num_nodes if cluster.kind != "single" else 1
+    elif isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
+        count = devices
+    elif isinstance(devices, str) and devices.isdigit() and int(devices) >= 1:
+        count = int(devices)
+    else:
+        raise ValueError(f"devices={devices!r}: use a positive number of processes (devices=1 is one device) or 'auto'")
+    if use_cuda and count > torch.cuda.device_count():
+        raise ValueError(f"devices={count} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    plugin = resolve_precision(precision)
+    if isinstance(strategy, str) and strategy not in _STRATEGIES:
+        raise ValueError(
+            f"strategy={strategy!r} is not valid; choose one of: {', '.join(_STRATEGIES)} or a Strategy instance"
+        )
+    if strategy == "auto":
+        strategy = "ddp" if count * num_nodes > 1 or detect().kind != "single" else "single_device"
+    if strategy == "single_device":
+        if count * num_nodes > 1:
+            raise ValueError(f"strategy='single_device' runs one process; devices={devices}, num_nodes={num_nodes}")
+        return Strategy("cuda:0" if use_cuda else "cpu", plugin)
+    if isinstance(strategy, str):
+        strategy = DDPStrategy() if strategy == "ddp" else FSDPStrategy()
+    strategy.precision = plugin
+    if isinstance(strategy, ParallelStrategy):
+        strategy.devices, strategy.num_nodes = count, num_nodes
+        strategy.accelerator = accelerator
+        strategy.use_distributed_sampler = use_distributed_sampler
+    return strategy
 
 
 _COMPILE_KEYS = ("mode", "fullgraph", "dynamic", "backend", "options")

@@ -157,6 +157,9 @@ class Snapshot:
     meta: dict[str, Any]
     tensors: dict[str, Tensor]
     rank_state: dict[str, Any]
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
 
 
 def gather(trainer: Trainer, module: TrainingModule, weights_only: bool, copy: bool) -> Snapshot:
@@ -179,23 +182,40 @@ def gather(trainer: Trainer, module: TrainingModule, weights_only: bool, copy: b
     if copy:
         tensors = {k: v.detach().clone() for k, v in tensors.items()}
         meta, rank_state = copy_module.deepcopy(meta), copy_module.deepcopy(rank_state)
-    return Snapshot(meta, tensors, rank_state)
+    strategy = trainer.strategy
+    group = getattr(strategy, "checkpoint_group", None)
+    return Snapshot(meta, tensors, rank_state, strategy.global_rank, strategy.world_size, group)
 
 
 def write(path: Path, snapshot: Snapshot) -> Path:
-    return ckpt.write_checkpoint(path, snapshot.meta, snapshot.tensors, snapshot.rank_state)
+    return ckpt.write_checkpoint(
+        path, snapshot.meta, snapshot.tensors, snapshot.rank_state, snapshot.rank, snapshot.world_size, snapshot.group
+    )
 
 
-def load(path: Path) -> Loaded:
+def load(path: Path, rank: int = 0) -> Loaded:
     meta = ckpt.read_meta(path)
     tensors = ckpt.read_tensors(path)
     tensor_state = ckpt.join_tensors(meta["tensor_skeleton"], tensors)
-    return Loaded(path, meta, tensor_state, ckpt.read_rank_meta(path, 0))
+    return Loaded(path, meta, tensor_state, _rank_state(path, meta, rank))
 
 
-def load_module_weights(module: nn.Module, loaded: Loaded) -> None:
+def _rank_state(path: Path, meta: dict[str, Any], rank: int) -> dict[str, Any]:
+    saved_world = int(meta.get("world_size", 1))
+    if rank >= saved_world:
+        warnings.warn(
+            f"checkpoint {path} was written by {saved_world} process(es); process {rank} resumes with the random "
+            "streams of process 0, so the run continues correctly but not bitwise like an uninterrupted one",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        rank = 0
+    return ckpt.read_rank_meta(path, rank)
+
+
+def load_module_weights(module: nn.Module, loaded: Loaded, load: Any = None) -> None:
     """Load the module's weights, with an error listing the first mismatched keys."""
-    ckpt.load_weights_into(module, loaded.tensor_state["module"], loaded.path, loaded.meta.get("module_class"))
+    ckpt.load_weights_into(module, loaded.tensor_state["module"], loaded.path, loaded.meta.get("module_class"), load)
 
 
 def restore(trainer: Trainer, module: TrainingModule, loaded: Loaded) -> None:
@@ -207,7 +227,7 @@ def restore(trainer: Trainer, module: TrainingModule, loaded: Loaded) -> None:
             "full checkpoint"
         )
     trainer.hooks.on_load_checkpoint(loaded.meta)
-    load_module_weights(module, loaded)
+    load_module_weights(module, loaded, trainer.strategy.load_module_state)
     entries = registry(trainer, module)
     entries["optimizers"].load_state_dict(loaded.tensor_state["optimizers"])
     for name, state in loaded.meta["state"].items():

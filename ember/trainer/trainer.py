@@ -26,6 +26,7 @@ from ember.modules.datamodule import DataModule
 from ember.modules.logging import MetricCollector, to_floats
 from ember.modules.module import TrainingModule
 from ember.modules.optimizers import ManualOptimizer, SchedulerConfig, parse_optimizers
+from ember.strategies import launcher
 from ember.strategies.strategy import Strategy
 from ember.trainer import checkpointing, loop, options, signals
 from ember.trainer.data import EpochPlan, check_not_empty, num_batches, resolve_loaders
@@ -54,6 +55,7 @@ class Trainer:
         accelerator: str = "auto",
         devices: int | str = "auto",
         strategy: str | Strategy = "auto",
+        num_nodes: int = 1,
         precision: str | int = "32-true",
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
@@ -77,6 +79,7 @@ class Trainer:
         deterministic: bool = False,
         fast_dev_run: bool | int = False,
         detect_anomaly: bool = False,
+        use_distributed_sampler: bool = True,
         nonfinite_loss: str | None = None,
         compile: bool | dict[str, Any] = False,
     ) -> None:
@@ -104,7 +107,9 @@ class Trainer:
         self.max_epochs = 1000 if max_epochs is None and max_steps == -1 else max_epochs
         self.max_steps = max_steps
         self.max_time_s = options.parse_max_time(max_time)
-        self.strategy = options.resolve_strategy(strategy, accelerator, devices, precision)
+        self.strategy = options.resolve_strategy(
+            strategy, accelerator, devices, num_nodes, precision, use_distributed_sampler
+        )
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val = gradient_clip_val or None  # 0: no clipping, as in Lightning
         self.gradient_clip_algorithm = gradient_clip_algorithm
@@ -229,7 +234,16 @@ class Trainer:
 
     @property
     def is_global_zero(self) -> bool:
+        """Whether this is process 0 of the job (the one that logs, prints and writes shared files)."""
         return self.strategy.is_global_zero
+
+    @property
+    def global_rank(self) -> int:
+        return self.strategy.global_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
 
     @property
     def callbacks(self) -> list[Callback]:
@@ -260,10 +274,12 @@ class Trainer:
                 )
             if len(train) > 1:
                 raise ValueError("fit takes one training dataloader; combine datasets into one loader")
-            self.train_dataloader = train[0]
             val = resolve_loaders("validation", val_dataloaders, datamodule)
             check_not_empty("train", train)
             check_not_empty("validation", val)
+            train = [self.strategy.distribute_loader(train[0], training=True)]
+            val = [self.strategy.distribute_loader(v, training=False) for v in val]
+            self.train_dataloader = train[0]
             self.epoch_plan = EpochPlan.build(
                 num_batches(train[0], self.limit_train_batches, "limit_train_batches"),
                 self.accumulate_grad_batches,
@@ -324,8 +340,8 @@ class Trainer:
     ) -> list[Any]:
         with self._run({"validation": "validate"}.get(stage, stage), module, datamodule, ckpt_path):
             if self._ckpt is not None:
-                checkpointing.load_weights(module, self._ckpt)
-            resolved = resolve_loaders(stage, loaders, datamodule)
+                checkpointing.load_weights(self, module, self._ckpt)
+            resolved = [self.strategy.distribute_loader(d, False) for d in resolve_loaders(stage, loaders, datamodule)]
             if not resolved:
                 raise ValueError(f"{stage} needs data: pass dataloaders or a datamodule with a {stage} dataloader")
             check_not_empty(stage, resolved)
@@ -348,14 +364,18 @@ class Trainer:
 
         # What can reject the run comes first, so a rejected run leaves the trainer idle.
         hooks = CallbackList(self, module, [*self.user_callbacks, *default_callbacks(self)])
+        if self.strategy.needs_launch():
+            launcher.relaunch(self.strategy.world_size_requested)  # runs the program in N processes; exits
+        self.strategy.setup_environment()
         if not self._loggers_resolved:
-            self.loggers = resolve_loggers(self._logger_option)
+            # Only process 0 logs; the others keep no loggers at all.
+            self.loggers = resolve_loggers(self._logger_option) if self.is_global_zero else []
             self._loggers_resolved = True
         name = self.run_name or run_name(module)
         self._ckpt = checkpointing.resolve_ckpt_path(self, ckpt_path, Path(self.default_root_dir) / name, stage)
         if self._run_dir is None:
             root = Path(self.default_root_dir) / name
-            self._run_dir = root / next_version(root)
+            self._run_dir = self.strategy.broadcast(root / next_version(root))  # every process: process 0's
         for logger in self.loggers:
             logger.attach(self._run_dir)
         self.stage = stage
@@ -430,8 +450,8 @@ class Trainer:
     def _at_boundary(self) -> None:
         """A step or epoch boundary: write pending checkpoints; act on a preemption signal."""
         assert self._module is not None
-        if self._preemption.received is not None:
-            checkpointing.handle_preemption(self, self._module, self._preemption.received)
+        if self.strategy.preemption_requested(self._preemption.received is not None):
+            checkpointing.handle_preemption(self, self._module, self._preemption.received or signal.SIGTERM)
         if self._writer.pending:
             self._writer.flush(self, self._module)
 

@@ -1,0 +1,155 @@
+"""`FSDPStrategy`: parameters, gradients and optimizer state sharded with FSDP2 (``fully_shard``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from ember.strategies.parallel import ParallelStrategy
+from ember.strategies.precision import Precision
+
+
+def repeated_block_classes(module: nn.Module) -> tuple[type[nn.Module], ...]:
+    """Classes of the blocks a model repeats (e.g. transformer layers): non-leaf submodules with
+    parameters whose class occurs at least twice. Sharding each such block lets FSDP overlap the
+    gathering of one block's parameters with the compute of another."""
+    counts: Counter[type[nn.Module]] = Counter()
+    for sub in module.modules():
+        if sub is module or not any(True for _ in sub.children()):
+            continue
+        if any(True for _ in sub.parameters()) and not isinstance(sub, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            counts[type(sub)] += 1
+    return tuple(cls for cls, n in counts.items() if n >= 2)
+
+
+class FSDPStrategy(ParallelStrategy):
+    """Fully sharded data parallel (FSDP2) over torch.distributed.
+
+    - ``shard_classes``: module classes that become their own shard unit
+      (default: the repeated blocks, see `repeated_block_classes`); the root is
+      always sharded too.
+    - ``reshard_after_forward``: free gathered parameters after forward (less
+      memory) or keep them for backward (less communication).
+    - ``param_dtype`` / ``reduce_dtype``: FSDP's mixed precision policy.
+    - ``cpu_offload``: keep sharded parameters and optimizer state on the CPU.
+    - ``activation_checkpointing``: module classes whose activations are
+      recomputed in backward.
+    - ``replicate_degree``: > 1 gives HSDP: shards inside groups of
+      ``world_size / replicate_degree`` processes, replicas across groups.
+
+    A module with a ``configure_model()`` method has it called on the meta
+    device, so a model too large for one process is never materialised whole;
+    its parameters are then allocated sharded and initialised with each
+    submodule's ``reset_parameters()``.
+    """
+
+    def __init__(
+        self,
+        shard_classes: Sequence[type[nn.Module]] | None = None,
+        reshard_after_forward: bool = True,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        cpu_offload: bool = False,
+        activation_checkpointing: Sequence[type[nn.Module]] = (),
+        replicate_degree: int = 1,
+        precision: Precision | None = None,
+        backend: str | None = None,
+        timeout_s: float = 1800.0,
+        use_distributed_sampler: bool = True,
+    ) -> None:
+        super().__init__(precision, backend, timeout_s, use_distributed_sampler)
+        self.shard_classes = tuple(shard_classes) if shard_classes is not None else None
+        self.reshard_after_forward = reshard_after_forward
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.cpu_offload = cpu_offload
+        self.activation_checkpointing = tuple(activation_checkpointing)
+        self.replicate_degree = replicate_degree
+        self._module: nn.Module | None = None
+
+    def _mesh(self) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = self.world_size
+        if self.replicate_degree > 1:
+            if world % self.replicate_degree:
+                raise ValueError(f"replicate_degree={self.replicate_degree} does not divide the world size {world}")
+            shape = (self.replicate_degree, world // self.replicate_degree)
+            return init_device_mesh(self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(self.root_device.type, (world,))
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        from torch.distributed._composable import checkpoint
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        if self._module is module:  # sharded by an earlier fit/validate/test of this trainer
+            return module
+        build_on_meta = callable(getattr(module, "configure_model", None))
+        if build_on_meta:
+            with torch.device("meta"):
+                module.configure_model()  # type: ignore[operator]
+        else:
+            module = module.to(self.root_device)
+        self.precision.setup(self.root_device)
+        module = self.precision.convert_module(module)
+        options: dict[str, Any] = {
+            "mesh": self._mesh(),
+            "reshard_after_forward": self.reshard_after_forward,
+            "mp_policy": MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype),
+            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+        }
+        classes = self.shard_classes if self.shard_classes is not None else repeated_block_classes(module)
+        for sub in list(module.modules()):
+            if sub is not module and isinstance(sub, self.activation_checkpointing):
+                checkpoint(sub)
+        for sub in list(module.modules()):
+            if sub is not module and isinstance(sub, classes):
+                fully_shard(sub, **options)
+        fully_shard(module, **options)
+        if build_on_meta:
+            module.to_empty(device="cpu" if self.cpu_offload else self.root_device)
+            for sub in module.modules():
+                reset = getattr(sub, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+        self._batches_stay = self.root_device.type == "cpu" and self.precision.cast_dtype is None
+        self._module = module
+        return module
+
+    def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[None]:
+        return self._gradient_sync(not enabled)
+
+    @contextlib.contextmanager
+    def _gradient_sync(self, sync: bool) -> Iterator[None]:
+        target = self._module
+        if sync or target is None:
+            yield
+            return
+        target.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            target.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def clip_gradients(self, module: nn.Module, optimizer: Optimizer, value: float, algorithm: str) -> None:
+        # Gradients are DTensor shards: torch's clipping computes the global norm across ranks.
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if algorithm == "norm":
+            torch.nn.utils.clip_grad_norm_(params, value, foreach=True)
+        else:
+            torch.nn.utils.clip_grad_value_(params, value)
+
+    def load_module_state(self, module: nn.Module, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True))
+
+    def load_optimizer_state(self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,213 @@
+"""What DDP and FSDP share: the process group, collectives, distributed samplers, checkpoint group.
+
+torch.distributed is the engine: the process group is initialised from the
+environment torchrun/TorchElastic or SLURM set up (`environment.detect`), with
+NCCL on CUDA and gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.data import DataLoader, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+
+from ember.strategies.environment import ClusterEnvironment, detect
+from ember.strategies.precision import Precision
+from ember.strategies.strategy import Strategy
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class EvalDistributedSampler(Sampler[int]):
+    """Rank r takes samples r, r + W, r + 2W, ...: no padding, so no sample is counted twice."""
+
+    def __init__(self, length: int, num_replicas: int, rank: int) -> None:
+        self.length, self.num_replicas, self.rank = length, num_replicas, rank
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.length, self.num_replicas))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.length, self.num_replicas))
+
+
+class ParallelStrategy(Strategy):
+    """Base of the multi-process strategies; one process per device.
+
+    ``devices``/``num_nodes`` are what the Trainer asked for; the environment
+    (torchrun, SLURM) must agree with them, or the error says what it found.
+    """
+
+    def __init__(
+        self,
+        precision: Precision | None = None,
+        backend: str | None = None,
+        timeout_s: float = 1800.0,
+        use_distributed_sampler: bool = True,
+    ) -> None:
+        super().__init__("cpu", precision)
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.use_distributed_sampler = use_distributed_sampler
+        self.cluster: ClusterEnvironment = detect()
+        self.devices = 1
+        self.num_nodes = 1
+        self.accelerator = "auto"
+        self.checkpoint_group: Any = None
+        self._flag_work: Any = None
+
+    # --- topology -----------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else self.cluster.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else self.cluster.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.cluster.local_rank
+
+    @property
+    def world_size_requested(self) -> int:
+        return self.devices * self.num_nodes
+
+    def needs_launch(self) -> bool:
+        """True when ``devices > 1`` was asked for but no launcher started the processes."""
+        if self.cluster.kind != "single" or self.world_size_requested == 1:
+            return False
+        if self.num_nodes > 1:
+            raise RuntimeError(
+                f"num_nodes={self.num_nodes} needs a launcher on every node: run `torchrun --nnodes={self.num_nodes} "
+                f"--nproc-per-node={self.devices} --rdzv-endpoint=HOST:PORT ...` on each, or submit through SLURM"
+            )
+        return True
+
+    # --- setup --------------------------------------------------------------
+    def setup_environment(self) -> None:
+        """Join (or create) the process group; pick this process's device."""
+        self.cluster = detect()
+        expected = self.devices * self.num_nodes
+        if self.cluster.kind != "single" and self.cluster.world_size != expected and self.devices != -1:
+            raise RuntimeError(
+                f"Trainer(devices={self.devices}, num_nodes={self.num_nodes}) expects {expected} processes, but the "
+                f"{self.cluster.kind} environment has WORLD_SIZE={self.cluster.world_size} "
+                f"({self.cluster.num_nodes} node(s)); make them agree (e.g. torchrun --nnodes={self.num_nodes} "
+                f"--nproc-per-node={self.devices})"
+            )
+        use_cuda = self.accelerator == "cuda" or (self.accelerator == "auto" and torch.cuda.is_available())
+        if use_cuda:
+            self.root_device = torch.device("cuda", self.cluster.local_rank)
+            torch.cuda.set_device(self.root_device)
+        else:
+            self.root_device = torch.device("cpu")
+        if not dist.is_initialized():
+            self.cluster.export()
+            backend = self.backend or ("nccl" if use_cuda else "gloo")
+            dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout_s))
+            atexit.register(_destroy_group)
+        if self.checkpoint_group is None:
+            # Checkpoint writes (possibly in a background thread) and the preemption flag get their
+            # own gloo group, so their collectives never interleave with the training ones.
+            self.checkpoint_group = dist.new_group(backend="gloo")
+
+    def distribute_loader(self, loader: Any, training: bool) -> Any:
+        """Give a DataLoader a distributed sampler that keeps the user's intent.
+
+        A shuffling training loader is shuffled by (seed, epoch) across ranks;
+        a sequential one stays sequential, so W ranks x batch B see exactly the
+        samples of one batch W*B. Evaluation is never shuffled or padded. Loaders
+        with a custom sampler or batch sampler are left as they are.
+        """
+        if not self.use_distributed_sampler or self.world_size == 1 or not isinstance(loader, DataLoader):
+            return loader
+        if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
+            return loader  # a custom batch sampler: the user decides
+        if type(loader.sampler) not in (RandomSampler, SequentialSampler):
+            return loader  # a custom sampler: the user decides
+        dataset = loader.dataset
+        sampler: Sampler[int]
+        if training:
+            shuffle = isinstance(loader.sampler, RandomSampler)
+            seed = int(os.environ.get("EMBER_SEED", 0))
+            sampler = DistributedSampler(dataset, self.world_size, self.global_rank, shuffle=shuffle, seed=seed)
+        else:
+            sampler = EvalDistributedSampler(len(dataset), self.world_size, self.global_rank)  # type: ignore[arg-type]
+        return DataLoader(
+            dataset,
+            batch_size=loader.batch_size,
+            sampler=sampler,
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory,
+            drop_last=loader.drop_last,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            generator=loader.generator,
+            prefetch_factor=loader.prefetch_factor,
+            persistent_workers=loader.persistent_workers,
+        )
+
+    # --- collectives --------------------------------------------------------
+    def reduce(self, tensor: Tensor, reduce_fx: str = "mean") -> Tensor:
+        if not dist.is_initialized():
+            return tensor
+        out = tensor.clone()
+        dist.all_reduce(out, op=_REDUCE_OPS[reduce_fx])
+        return out / self.world_size if reduce_fx == "mean" else out
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def any_flag(self, flag: bool) -> Any:
+        """Start a non-blocking OR of `flag` over ranks; returns ``(work, tensor)`` to read later."""
+        tensor = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.checkpoint_group, async_op=True)
+        return work, tensor
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        yield
+
+    def preemption_requested(self, local: bool) -> bool:
+        """Whether any process got a preemption signal, agreed without a blocking collective.
+
+        Each boundary starts a non-blocking OR of the local flags and reads the
+        one started at the previous boundary (long finished by then), so every
+        process stops at the same boundary, one step after the signal.
+        """
+        if not dist.is_initialized() or self.world_size == 1:
+            return local
+        previous, self._flag_work = self._flag_work, self.any_flag(local)
+        if previous is None:
+            return False
+        work, tensor = previous
+        work.wait()
+        return bool(tensor.item())  # a CPU tensor of the gloo group: no device sync
+
+    def teardown(self) -> None:
+        """The process group stays up for the next fit/validate/test (it is closed at exit)."""
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
