@@ -99,7 +99,9 @@ def make_project(root: Path, config: str = NET_YAML) -> Path:
 
 
 @pytest.mark.slow
-def test_fit_digits_with_overrides_saves_config_and_metrics_and_the_saved_config_reproduces(tmp_path: Path) -> None:
+def test_fit_digits_with_overrides_saves_config_and_metrics_and_the_saved_config_reproduces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     limits = [
         "trainer.max_epochs=2",
         "trainer.limit_train_batches=3",
@@ -120,8 +122,10 @@ def test_fit_digits_with_overrides_saves_config_and_metrics_and_the_saved_config
     assert last.startswith("fit done in ") and "(2 epochs, 6 steps)" in last
     assert f"val/acc {float(rows[-1]['val/acc']):.4f}" in last and str(Path("runs/classifier/version_0")) in last
 
-    # the saved config alone repeats the run: same metrics, bit for bit, in the next version
-    ember("fit", "-c", run_dir / "config.yaml", cwd=tmp_path)
+    # the saved config alone repeats the run: same metrics, bit for bit, in the next version (in-process:
+    # the same code path without a second interpreter start-up; the cwd is tmp_path, as above)
+    monkeypatch.setattr(sys, "path", [str(REPO), *sys.path])
+    assert main(["fit", "-c", str(run_dir / "config.yaml")]) == 0
     again = val_rows(tmp_path / "runs" / "classifier" / "version_1")
     assert [(r["val/loss"], r["val/acc"]) for r in again] == [(r["val/loss"], r["val/acc"]) for r in rows]
 
