@@ -20,8 +20,7 @@ from torch import Tensor, nn
 from ember.callbacks.callback import Callback
 
 if TYPE_CHECKING:
-    from rich.console import Console
-    from rich.table import Table
+    from rich.console import Console, RenderableType
 
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
@@ -166,9 +165,11 @@ def format_plain(summary: Summary) -> str:
     return "\n".join([*lines, f"{summary.size_mb:.2f} MB of parameters"])
 
 
-def format_rich(summary: Summary) -> Table:
-    """`Summary` as a ``rich.table.Table`` with a caption of totals."""
+def format_rich(summary: Summary) -> RenderableType:
+    """`Summary` as a ``rich`` table, followed by the totals and the size."""
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=f"{summary.module_type} summary", header_style="bold")
     table.add_column("", justify="right", style="dim")
@@ -181,11 +182,13 @@ def format_rich(summary: Summary) -> Table:
     for i, r in enumerate(summary.rows):
         cells = [str(i), r.name, r.type, human(r.params), human(r.trainable)]
         table.add_row(*cells, *([r.output_shape] if summary.has_shapes else []))
-    table.caption = (
-        f"Trainable params: {summary.trainable:,}  ·  Non-trainable params: {summary.non_trainable:,}  ·  "
-        f"Total params: {summary.total:,}  ·  Size: {summary.size_mb:.2f} MB"
+    totals = Text(
+        f"Trainable params: {summary.trainable:,}\n"
+        f"Non-trainable params: {summary.non_trainable:,}\n"
+        f"Total params: {summary.total:,}\n"
+        f"Size: {summary.size_mb:.2f} MB"
     )
-    return table
+    return Group(table, totals)
 
 
 def human(n: int) -> str:

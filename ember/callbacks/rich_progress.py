@@ -273,6 +273,8 @@ def build_progress(console: Console | None = None) -> Progress:
 
         def render(self, task: Task) -> Text:
             speed = task.finished_speed or task.speed
+            if speed is None and task.elapsed:  # fewer than two updates so far: the mean rate
+                speed = task.completed / task.elapsed
             return Text("" if speed is None else f"{speed:.2f} it/s", style="progress.data.speed")
 
     class RemainingColumn(ProgressColumn):
