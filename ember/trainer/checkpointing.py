@@ -190,7 +190,7 @@ class CheckpointWriter:
 def resume(trainer: Trainer, module: TrainingModule, path: Path) -> dict[str, Any]:
     """Restore everything from `path`; returns this process's state (random streams, data position)
     for the loop to put back when training continues."""
-    loaded = state.load(path, trainer.global_rank)
+    loaded = state.load(path, trainer.global_rank, trainer.world_size)
     state.restore(trainer, module, loaded)
     trainer.epoch_start_state = loaded.rank_state.get("epoch_start")
     return loaded.rank_state

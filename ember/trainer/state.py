@@ -193,23 +193,25 @@ def write(path: Path, snapshot: Snapshot) -> Path:
     )
 
 
-def load(path: Path, rank: int = 0) -> Loaded:
+def load(path: Path, rank: int = 0, world_size: int = 1) -> Loaded:
     meta = ckpt.read_meta(path)
     tensors = ckpt.read_tensors(path)
     tensor_state = ckpt.join_tensors(meta["tensor_skeleton"], tensors)
-    return Loaded(path, meta, tensor_state, _rank_state(path, meta, rank))
+    return Loaded(path, meta, tensor_state, _rank_state(path, meta, rank, world_size))
 
 
-def _rank_state(path: Path, meta: dict[str, Any], rank: int) -> dict[str, Any]:
+def _rank_state(path: Path, meta: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     saved_world = int(meta.get("world_size", 1))
-    if rank >= saved_world:
-        warnings.warn(
-            f"checkpoint {path} was written by {saved_world} process(es); process {rank} resumes with the random "
-            "streams of process 0, so the run continues correctly but not bitwise like an uninterrupted one",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        rank = 0
+    if saved_world != world_size:
+        if rank == 0:
+            warnings.warn(
+                f"checkpoint {path} was written by {saved_world} process(es) and resumes on {world_size}: weights, "
+                "optimizer and progress carry over, but each process's data position and random streams were "
+                "per process, so the continuation is not bitwise that of an uninterrupted run",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        rank = min(rank, saved_world - 1)
     return ckpt.read_rank_meta(path, rank)
 
 
