@@ -118,7 +118,10 @@ def _checkpoint_option(args: argparse.Namespace) -> str | None:
     if value is not None and value not in ("last", "best") and not Path(value).exists():
         raise ConfigError(f"{option}: no checkpoint at {value}; give a checkpoint path, 'last' or 'best'")
     if value is None and args.command != "fit" and not args.print_config:
-        print(f"ember: note: no --ckpt-path given; {args.command} uses the weights the module is built with")
+        print(
+            f"ember: note: no --ckpt-path given; {args.command} uses the weights the module is built with",
+            file=sys.stderr,
+        )
     return value
 
 
@@ -154,7 +157,11 @@ def build(config: dict[str, Any]) -> tuple[Trainer, TrainingModule, DataModule]:
 
 
 def run(command: str, trainer: Trainer, module: TrainingModule, data: DataModule, ckpt_path: str | None) -> None:
-    """Call ``trainer.<command>`` and print a one-line summary (predict also saves its outputs)."""
+    """Call ``trainer.<command>`` and print a one-line summary from process 0.
+
+    ``predict`` saves its outputs with `torch.save` to ``<run dir>/predictions.pt`` (one file per
+    process, ``predictions-rank<N>.pt``, when several processes predict their shares of the data).
+    """
     kwargs: dict[str, Any] = {"datamodule": data}
     if ckpt_path is not None:
         kwargs["ckpt_path"] = ckpt_path
@@ -167,7 +174,8 @@ def run(command: str, trainer: Trainer, module: TrainingModule, data: DataModule
         import torch
 
         predictions = trainer.predict(module, **kwargs)
-        path = trainer.run_dir / "predictions.pt"
+        name = "predictions.pt" if trainer.world_size == 1 else f"predictions-rank{trainer.global_rank}.pt"
+        path = trainer.run_dir / name
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(predictions, path)
         n = len(predictions)
@@ -180,4 +188,5 @@ def run(command: str, trainer: Trainer, module: TrainingModule, data: DataModule
         where = f"{len(results)} dataloader{'s' * (len(results) != 1)}"
     shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
     elapsed = time.perf_counter() - start
-    print(f"{command} done in {elapsed:.1f} s ({where}): {shown or 'no metrics'}; run dir {trainer.run_dir}")
+    if trainer.is_global_zero:
+        print(f"{command} done in {elapsed:.1f} s ({where}): {shown or 'no metrics'}; run dir {trainer.run_dir}")
