@@ -1,6 +1,25 @@
-"""Strategies (device placement, backward, optimizer step, collectives) and precision plugins."""
+"""Strategies (device placement, backward, optimizer step, collectives) and precision plugins.
+
+`Strategy` is one process on one device; `DDPStrategy` and `FSDPStrategy` run
+one process per device (see docs/distributed.md). The multi-process ones are
+imported on first use, so ``import ember`` stays light.
+"""
+
+from typing import Any
 
 from ember.strategies.precision import Precision
 from ember.strategies.strategy import Strategy
 
-__all__ = ["Precision", "Strategy"]
+__all__ = ["DDPStrategy", "FSDPStrategy", "Precision", "Strategy"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DDPStrategy":
+        from ember.strategies.ddp import DDPStrategy
+
+        return DDPStrategy
+    if name == "FSDPStrategy":
+        from ember.strategies.fsdp import FSDPStrategy
+
+        return FSDPStrategy
+    raise AttributeError(f"module 'ember.strategies' has no attribute {name!r}")

@@ -17,7 +17,13 @@ import torch
 
 from ember.trainer.data import EpochPlan, limited
 from ember.trainer.optimization import optimizer_step, run_training_batch, step_schedulers
-from ember.trainer.resume import capture_epoch_start, islice_from, open_resumed_epoch, restore_rng
+from ember.trainer.resume import (
+    capture_epoch_start,
+    islice_from,
+    open_resumed_epoch,
+    restore_loader_generators,
+    restore_rng,
+)
 
 if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
@@ -96,8 +102,10 @@ def open_epoch(trainer: Trainer, loader: Any, start: int) -> Iterator[Any]:
     resumed, trainer._resume_state = trainer._resume_state, None
     set_epoch(loader, trainer.progress.epoch)
     if start == 0:
-        if resumed is not None:
+        if resumed is not None:  # resuming at an epoch boundary
             restore_rng(resumed["rng"])
+            if "loader_generators" in resumed:
+                restore_loader_generators(loader, resumed["loader_generators"])
         trainer.epoch_start_state = capture_epoch_start(loader)
         return iter(loader)
     assert resumed is not None, "a run inside an epoch always comes from a checkpoint"

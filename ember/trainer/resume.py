@@ -74,6 +74,22 @@ def capture_epoch_start(loader: Any) -> dict[str, Any]:
     return {"global": capture_rng(), "loader": [g.get_state() for g in _loader_generators(loader)]}
 
 
+def capture_loader_generators(loader: Any) -> list[Any]:
+    """Current states of the loader's own generators (for a resume at an epoch boundary)."""
+    return [g.get_state() for g in _loader_generators(loader)]
+
+
+def restore_loader_generators(loader: Any, states: list[Any]) -> None:
+    generators = _loader_generators(loader)
+    if len(generators) != len(states):
+        raise RuntimeError(
+            "the training DataLoader's random generators differ from the checkpointed run's; "
+            "build the DataLoader the same way to resume exactly"
+        )
+    for gen, state in zip(generators, states, strict=True):
+        gen.set_state(state)
+
+
 def _restore_epoch_start(loader: Any, state: dict[str, Any]) -> None:
     restore_rng(state["global"])
     generators = _loader_generators(loader)

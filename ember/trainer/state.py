@@ -20,7 +20,7 @@ from torch.utils.data import IterableDataset
 
 import ember
 from ember import checkpoint as ckpt
-from ember.trainer.resume import capture_rng
+from ember.trainer.resume import capture_loader_generators, capture_rng
 
 if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
@@ -129,9 +129,12 @@ def data_state(trainer: Trainer) -> dict[str, Any]:
     Map-style data needs none: its position is re-derived from the sampler (see `resume`).
     """
     loader = trainer.train_dataloader
+    if loader is None:
+        return {}
     dataset = getattr(loader, "dataset", None)
     if not isinstance(dataset, IterableDataset):
-        return {}
+        # The loader's own generators as they are now: the next epoch's permutation is drawn from them.
+        return {"loader_generators": capture_loader_generators(loader)}
     if callable(getattr(loader, "state_dict", None)):
         return {"loader": loader.state_dict()}
     dataset_state = getattr(dataset, "state_dict", None)
