@@ -129,6 +129,7 @@ def write_checkpoint(
     tmp = path.with_name(f".{path.name}.tmp" if world_size > 1 else f".{path.name}.tmp-{os.getpid()}")
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned_temporaries(path.parent)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     barrier()
@@ -157,6 +158,20 @@ def write_checkpoint(
             raise CheckpointError(f"writing checkpoint {path} failed: {type(cause).__name__}: {cause}") from cause
         raise
     return path
+
+
+def _remove_abandoned_temporaries(directory: Path) -> None:
+    """Delete temporary checkpoint directories left by processes that died while writing."""
+    for stale in directory.glob(".*.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # its writer is gone: it can never be completed
+            shutil.rmtree(stale, ignore_errors=True)
+        except PermissionError:
+            continue
 
 
 def point_last_at(checkpoint: Path) -> None:

@@ -89,6 +89,18 @@ class ModelCheckpoint(Callback):
         self._last_save_time = time.monotonic()
 
     # --- state ------------------------------------------------------------------
+    @property
+    def state_key(self) -> str:
+        """Includes the settings, so several instances in one run keep separate state (as in Lightning)."""
+        settings = {
+            "monitor": self.monitor,
+            "mode": self.mode,
+            "every_n_train_steps": self.every_n_train_steps,
+            "every_n_epochs": self.every_n_epochs,
+            "train_time_interval": self.train_time_interval_s,
+        }
+        return f"ModelCheckpoint{settings}"
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "kept": dict(self.kept),
@@ -179,11 +191,19 @@ class ModelCheckpoint(Callback):
         return a < b if self.mode == "min" else a > b
 
     def _save(self, trainer: Trainer, force_last: bool = False) -> None:
-        score = self._score(trainer)
+        """Save now; with `force_last` (a stop or preemption) also before the monitored metric exists."""
+        ranked = not (force_last and self.monitor is not None and self.monitor not in trainer.callback_metrics)
+        score = self._score(trainer) if ranked else None
         if score is not None and math.isnan(score):
             score = math.inf if self.mode == "min" else -math.inf
-        path = self._unique_path(self.format_name(trainer))
-        keep = self._admits(score)
+        try:
+            name = self.format_name(trainer)
+        except KeyError:
+            if not force_last:
+                raise
+            name = f"stopped-step={trainer.global_step}"  # the template's metrics are not logged yet
+        path = self._unique_path(name)
+        keep = ranked and self._admits(score)
         if not keep and not (self.save_last or force_last):
             return
         evicted: list[str] = []
@@ -206,7 +226,11 @@ class ModelCheckpoint(Callback):
                     shutil.rmtree(old, ignore_errors=True)
 
         trainer.save_checkpoint(
-            path, self.save_weights_only, async_save=self.async_save, set_last=True, on_done=after_write
+            path,
+            self.save_weights_only,
+            async_save=self.async_save,
+            set_last=self.save_last or force_last,
+            on_done=after_write,
         )
 
     def _admits(self, score: float | None) -> bool:

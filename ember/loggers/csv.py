@@ -82,16 +82,25 @@ class CSVLogger(Logger):
     def finalize(self, status: str) -> None:
         self.save()
 
+    def state_dict(self) -> dict[str, Any]:
+        """How many rows the checkpoint covers (rows are saved to disk before every checkpoint)."""
+        return {"rows": len(self._rows)}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Keep the rows of the resumed run up to `state["step"]`; later ones are replayed."""
+        """Keep the rows the checkpoint covers; later ones (even at the same step) are replayed.
+
+        Checkpoints without a row count keep the rows up to `state["step"]`.
+        """
         if not self.metrics_path.exists():
             return
         with open(self.metrics_path, newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
             self._columns = list(reader.fieldnames or ["step"])
-            self._rows = [
-                {k: v for k, v in row.items() if v != ""} for row in reader if int(row["step"]) <= state["step"]
-            ]
+            rows = [{k: v for k, v in row.items() if v != ""} for row in reader]
+        if "rows" in state:
+            self._rows = rows[: state["rows"]]
+        else:
+            self._rows = [row for row in rows if int(row["step"]) <= state["step"]]
         self._header, self._written = [], 0  # rewrite on the next save
 
 

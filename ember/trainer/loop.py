@@ -80,6 +80,8 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
         if plan.ends_window(batch_idx):
             trainer._at_boundary()  # pending checkpoints are written here; preemption acts here
             if trainer._should_stop_in_epoch():
+                if not plan.is_last(batch_idx):  # cut short: `last` must name this step, not the epoch end
+                    trainer._save_stop_point()
                 break
     if trainer._window_has_grads:  # a loader without a length ended inside an accumulation window
         optimizer_step(trainer, trainer.optimizers[0])

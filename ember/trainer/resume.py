@@ -122,17 +122,25 @@ class _SkipFirst:
 
 
 class _SkippingSampler:
-    """Stands in for a DataLoader's (batch) sampler: its first iteration skips `skip` entries."""
+    """Stands in for a DataLoader's (batch) sampler while the resumed epoch's iterator is created.
+
+    Every iteration started while `active` skips `skip` entries: a multi-process
+    DataLoader iterator calls ``iter()`` on its sampler twice while it is created
+    (in ``_BaseDataLoaderIter.__init__`` and again in ``_reset``) and consumes
+    the second one. Later iterations (the next epochs of a persistent-worker
+    iterator) do not skip.
+    """
 
     def __init__(self, inner: Any, skip: int) -> None:
         self.inner, self.skip = inner, skip
+        self.active = True
         self.first: _SkipFirst | None = None
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def __iter__(self) -> Iterator[Any]:
-        if self.first is not None:  # later epochs of a persistent-worker iterator: no skipping
+        if not self.active:
             return iter(self.inner)
         self.first = _SkipFirst(iter(self.inner), self.skip)
         return self.first
@@ -178,6 +186,7 @@ def open_resumed_epoch(loader: Any, skip: int, epoch_start: dict[str, Any] | Non
         assert stand_in.first is not None
         stand_in.first.prime()  # the permutation is drawn now, where the uninterrupted run drew it
     finally:
+        stand_in.active = False
         object.__setattr__(loader, attr, original)
     restore_rng(step_rng)
     return iterator

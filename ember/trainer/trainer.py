@@ -455,6 +455,22 @@ class Trainer:
         if self._writer.pending:
             self._writer.flush(self, self._module)
 
+    def _save_stop_point(self) -> None:
+        """A stop inside an epoch: save ``last`` at this step boundary now, before the epoch-end hooks.
+
+        The epoch-end processing that follows (validation of the final weights,
+        ``on_train_epoch_end``, epoch schedulers, ``epoch += 1``) describes a cut-short
+        epoch; a ModelCheckpoint that has saved this step skips its epoch-end save, so
+        ``fit(ckpt_path="last")`` continues the epoch where it stopped.
+        """
+        from ember.callbacks.model_checkpoint import ModelCheckpoint
+
+        assert self._module is not None
+        savers = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint) and not cb.save_weights_only]
+        if savers:
+            savers[0].save_for_preemption(self)
+            self._writer.flush(self, self._module)
+
     def _resume_from(self, module: TrainingModule, path: Path) -> None:
         self._resume_state = checkpointing.resume(self, module, path)
 
