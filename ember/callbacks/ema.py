@@ -16,13 +16,21 @@ if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
 
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _average_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
 class EMA(Callback):
     """Keeps ``ema = decay * ema + (1 - decay) * weights`` after every ``every_n_steps`` optimizer steps.
 
     The first update (at step ``start_step`` or later) copies the weights; each
     later one blends them in, as ``torch.optim.swa_utils`` does. Floating-point
     buffers (BatchNorm statistics) are averaged too unless
-    ``include_buffers=False``. With ``warmup=True`` the decay ramps up as
+    ``include_buffers=False``. Half-precision weights (``"bf16-true"``) are
+    averaged in float32. With ``warmup=True`` the decay ramps up as
     ``min(decay, (1 + n) / (10 + n))`` for the n-th update.
 
     - **Evaluation**: validation (inside fit and ``trainer.validate``), test and
@@ -85,7 +93,8 @@ class EMA(Callback):
                     "it was saved for a different module (or with another include_buffers)"
                 )
             self._averaged = [
-                self._loaded[n].to(t.device, t.dtype, copy=True) for n, t in zip(self._names, self._live, strict=True)
+                self._loaded[n].to(t.device, _average_dtype(t.dtype), copy=True)
+                for n, t in zip(self._names, self._live, strict=True)
             ]
             self._loaded = None
 
@@ -98,11 +107,20 @@ class EMA(Callback):
     @torch.no_grad()
     def update(self) -> None:
         """Blend the current weights into the average (the first update copies them)."""
-        if self._averaged is None:
-            self._averaged = [t.clone() for t in self._live]
-        else:
+        if self._averaged is None:  # low-precision weights are averaged in float32
+            self._averaged = [t.float() if t.dtype in _LOW_PRECISION else t.clone() for t in self._live]
+        elif self._same_dtypes:
             torch._foreach_lerp_(self._averaged, self._live, 1.0 - self.current_decay())
+        else:
+            weight = 1.0 - self.current_decay()
+            for avg, live in zip(self._averaged, self._live, strict=True):
+                avg.lerp_(live.to(avg.dtype), weight)
         self.num_updates += 1
+
+    @property
+    def _same_dtypes(self) -> bool:
+        assert self._averaged is not None
+        return all(a.dtype == t.dtype for a, t in zip(self._averaged, self._live, strict=True))
 
     @property
     def averaged(self) -> dict[str, Tensor]:

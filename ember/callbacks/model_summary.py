@@ -224,10 +224,13 @@ class ModelSummary(Callback):
         return bool(isatty and isatty())
 
     def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
-        """Measure the module (running ``example_input_array`` when set) and print the summary."""
+        """Measure the module (running ``example_input_array`` when set) and print the summary on global zero.
+
+        Every rank runs the example forward: a sharded module (FSDP) needs all of them for it.
+        """
+        summary = describe(module, module.example_input_array, trainer.strategy.forward_context())
         if not trainer.is_global_zero:
             return
-        summary = describe(module, module.example_input_array, trainer.strategy.forward_context())
         stream = self.stream or sys.stdout
         if self._wants_rich(stream):
             from rich.console import Console

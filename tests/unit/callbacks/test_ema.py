@@ -149,3 +149,19 @@ def test_bad_arguments() -> None:
         EMA(decay=1.5)
     with pytest.raises(ValueError, match="every_n_steps"):
         EMA(every_n_steps=0)
+
+
+def test_half_precision_weights_are_averaged_in_float32() -> None:
+    layer = nn.Linear(3, 2).bfloat16()
+    ema = EMA(decay=0.75)
+    seen = []
+    for _ in range(3):
+        with torch.no_grad():
+            layer.weight.add_(0.1)
+        seen.append(layer.weight.detach().float().double())
+        with ema.averaged_weights(layer):  # binds on first use
+            pass
+        ema.update()
+    expected = hand_ema([{"w": s} for s in seen], [0.75] * 3)["w"]
+    assert ema.averaged["weight"].dtype == torch.float32
+    torch.testing.assert_close(ema.averaged["weight"].double(), expected, rtol=1e-6, atol=1e-7)
