@@ -70,14 +70,21 @@ class RichProgressBar(Callback):
         return self._progress
 
     def _stop(self) -> None:
-        if self._progress is not None:
-            if self._train_task is not None and self._train_left:  # its final state is already a line
-                self._progress.remove_task(self._train_task)
-                self._train_task = None
-            self._refresh(force=True)
-            self._progress.stop()
-            self._progress = None
-            self._train_task = self._eval_task = None
+        progress = self._progress
+        if progress is None:
+            return
+        if self._train_task is not None and self._train_left:  # its final state is already a line
+            progress.remove_task(self._train_task)
+            self._train_task = None
+        pending, self._pending = self._pending, []  # printed below the final bars
+        self._refresh(force=True)
+        progress.stop()
+        if pending:
+            from rich.console import Group
+
+            progress.console.print(Group(*pending))
+        self._progress = None
+        self._train_task = self._eval_task = None
 
     def _refresh(self, force: bool = False) -> None:
         """Bring the bars up to date and draw them, unless the last draw was less than 1/rate ago."""
@@ -222,18 +229,29 @@ class RichProgressBar(Callback):
         self._eval_batch()
 
     def on_validation_end(self, trainer: Trainer, module: TrainingModule) -> None:
-        """Inside fit, remove the validation bar; after ``trainer.validate``, print the metrics table."""
+        """Inside fit, remove the validation bar; after ``trainer.validate``, complete it and add the metrics table."""
         if self._progress is None or self._eval_task is None:
             return
         if trainer.stage == "fit":
             self._progress.remove_task(self._eval_task)
             self._eval_task = None
         else:
+            self._complete_eval_task()
             self._print_metrics(trainer, "Validate")
 
     def on_test_end(self, trainer: Trainer, module: TrainingModule) -> None:
-        """Print the test metrics table."""
+        """Complete the test bar and add the metrics table."""
+        self._complete_eval_task()
         self._print_metrics(trainer, "Test")
+
+    def on_predict_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Complete the predict bar."""
+        self._complete_eval_task()
+
+    def _complete_eval_task(self) -> None:
+        """A bar without a known total becomes full once its run is over."""
+        if self._progress is not None and self._eval_task is not None:
+            self._progress.update(self._eval_task, total=self._eval_done, completed=self._eval_done)
 
     def _print_metrics(self, trainer: Trainer, title: str) -> None:
         if self._progress is None or not trainer.last_eval_metrics:

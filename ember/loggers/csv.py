@@ -41,9 +41,11 @@ class CSVLogger(Logger):
 
     @property
     def metrics_path(self) -> Path:
+        """``<log_dir>/metrics.csv``."""
         return self.log_dir / "metrics.csv"
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Buffer one row; a metric not seen before adds a column."""
         row: dict[str, Any] = {"step": step, **metrics}
         for key in row:
             if key not in self._columns:
@@ -59,6 +61,7 @@ class CSVLogger(Logger):
         write_atomic(self.log_dir / "hparams.yaml", text)
 
     def save(self) -> None:
+        """Write the buffered rows: appended when the columns are unchanged, else the file is rewritten atomically."""
         if len(self._rows) == self._written:
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -80,6 +83,7 @@ class CSVLogger(Logger):
         return csv.DictWriter(f, fieldnames=self._columns, lineterminator="\n")
 
     def finalize(self, status: str) -> None:
+        """Write what is left."""
         self.save()
 
     def state_dict(self) -> dict[str, Any]:
