@@ -302,8 +302,9 @@ def read_tensors(path: Path, keys: Callable[[str], bool] = lambda _k: True) -> d
             dcp.load(template, storage_reader=_safe_reader(path), no_dist=True)
     except (Exception, CheckpointException) as exc:
         cause = _underlying(exc)
+        first_line = (str(cause).strip().splitlines() or [""])[0]
         raise CheckpointError(
-            f"checkpoint {path}: reading tensors failed ({type(cause).__name__}: {str(cause).strip().splitlines()[0]})"
+            f"checkpoint {path}: reading tensors failed ({type(cause).__name__}: {first_line})"
         ) from None
     return template
 

@@ -6,6 +6,7 @@ The file format lives in `checkpoint.py`, what goes into a checkpoint in
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import sys
@@ -132,6 +133,7 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._after_background: list[tuple[OnDone, Path]] = []
+        self._waits_at_exit = False
 
     def request(self, path: Path, weights_only: bool, async_save: bool, set_last: bool, on_done: OnDone | None) -> None:
         if any(r.path == path for r in self.pending) or path.exists():
@@ -150,6 +152,9 @@ class CheckpointWriter:
             if req.async_save:
                 self._thread = threading.Thread(target=self._write_in_background, args=(req, snapshot), daemon=True)
                 self._thread.start()
+                if not self._waits_at_exit:  # e.g. a save asked for after fit: nothing else would wait for it
+                    atexit.register(self._finish_at_exit)
+                    self._waits_at_exit = True
             else:
                 self._write(req, snapshot)
                 if req.on_done is not None and snapshot.rank == 0:
@@ -169,6 +174,13 @@ class CheckpointWriter:
         else:
             if req.on_done is not None and snapshot.rank == 0:
                 self._after_background.append((req.on_done, req.path))
+
+    def _finish_at_exit(self) -> None:
+        """At interpreter exit, complete a write still in flight (its thread is a daemon); report its error."""
+        try:
+            self.wait()
+        except RuntimeError as exc:
+            print(f"ember: {exc}", file=sys.stderr, flush=True)
 
     @property
     def busy(self) -> bool:

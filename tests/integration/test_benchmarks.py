@@ -21,6 +21,7 @@ SHORT_RUNS = {
     "import_time.py": ["--repeats", "1"],
     "fit_fixed_cost.py": ["--repeats", "1", "--epochs", "1"],
     "compile.py": ["--short"],
+    "checkpoint.py": ["--short"],
 }
 
 

@@ -1,0 +1,271 @@
+"""Checkpoint cost: ember's save against plain torch.save, and the training stall of an async save.
+
+A ~100M-parameter model (6 x Linear(4096, 4096)) with AdamW state after one
+step (about 1.2 GB of tensors) is saved to the same disk, side by side in one
+process, each measurement repeated and the best kept (noise only adds time):
+
+- save time: ``trainer.save_checkpoint(path)`` (DCP shards + ember.pt +
+  rank-0.pt, fsynced, renamed into place) against ``torch.save`` of the module
+  and optimizer state dicts, once plain (the goal's baseline: returns when the
+  bytes are in the page cache) and once followed by fsync (the same durability
+  as ember).
+- training stall: inside ``fit``, an async save at a step boundary, then, once
+  it is written, a sync save. The stall is how much longer that boundary took
+  than an ordinary one (the snapshot the loop waits for); the sync save time is
+  the same for a sync save. Step times while the background write is in flight
+  are shown beside step times without one.
+
+    python benchmarks/checkpoint.py            # full: ~100M parameters, 3 repeats
+    python benchmarks/checkpoint.py --short    # CI: ~3M parameters, 1 repeat
+
+Goals: ember save / torch.save <= 1.25; async stall / sync save time <= 0.10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ember
+from ember import checkpoint as ckpt
+
+BATCH = 8
+
+
+class Stack(ember.TrainingModule):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        self.model = nn.Sequential(*layers[:-1])
+        self.loss_fn = nn.MSELoss()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def make_loader(width: int, batches: int) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batches * BATCH, width, generator=g), torch.randn(batches * BATCH, width, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH)
+
+
+def quiet_trainer(**kwargs: Any) -> ember.Trainer:
+    return ember.Trainer(
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, **kwargs
+    )
+
+
+# --- save time ----------------------------------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def torch_save(state: dict[str, Any], path: Path, fsync: bool) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def measure_saves(trainer: ember.Trainer, module: Stack, root: Path, repeats: int) -> dict[str, list[float]]:
+    state = {"module": module.state_dict(), "optimizer": trainer.optimizers[0].state_dict()}
+    variants: dict[str, Callable[[Path], Any]] = {
+        "ember": lambda p: trainer.save_checkpoint(p),
+        "torch.save": lambda p: torch_save(state, p, fsync=False),
+        "torch.save+fsync": lambda p: torch_save(state, p, fsync=True),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for rep in range(repeats):  # interleaved, so machine noise hits every variant alike
+        for name, save in variants.items():
+            path = root / f"{name}-{rep}"
+            times[name].append(timed(lambda save=save, path=path: save(path)))
+            remove(path)
+    return times
+
+
+# --- the stall of an async save inside fit -------------------------------------------------------------------------
+
+
+@dataclass
+class Writes:
+    """Wraps `ember.checkpoint.write_checkpoint` to learn when each write started and ended."""
+
+    spans: dict[str, tuple[float, float]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def install(self) -> Callable[[], None]:
+        original = ckpt.write_checkpoint
+
+        def write_checkpoint(path: Path, *args: Any, **kwargs: Any) -> Path:
+            start = time.perf_counter()
+            try:
+                return original(path, *args, **kwargs)
+            finally:
+                with self.lock:
+                    self.spans[Path(path).name] = (start, time.perf_counter())
+
+        ckpt.write_checkpoint = write_checkpoint  # type: ignore[assignment]
+
+        def uninstall() -> None:
+            ckpt.write_checkpoint = original  # type: ignore[assignment]
+
+        return uninstall
+
+
+class StallProbe(ember.Callback):
+    """Async save after `warmup` steps; once written and `settle` steps later, a sync save; then stop."""
+
+    def __init__(self, root: Path, writes: Writes, warmup: int = 3, settle: int = 2) -> None:
+        self.root, self.writes, self.warmup, self.settle = root, writes, warmup, settle
+        self.steps: list[tuple[float, float]] = []
+        self.async_after: int | None = None
+        self.sync_after: int | None = None
+        self._sync_due: int | None = None
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.steps.append((self._start, time.perf_counter()))
+        n = len(self.steps)
+        if n == self.warmup:
+            trainer.save_checkpoint(self.root / "async", async_save=True)
+            self.async_after = n - 1
+        elif self._sync_due is None and self.async_after is not None and "async" in self.writes.spans:
+            self._sync_due = n + self.settle
+        elif n == self._sync_due:
+            trainer.save_checkpoint(self.root / "sync")
+            self.sync_after = n - 1
+        elif self.sync_after is not None and n > self.sync_after + self.settle:
+            trainer.should_stop = True
+
+
+@dataclass
+class Stall:
+    stall_s: float  # extra time of the boundary that started the async save
+    sync_s: float  # extra time of the boundary that ran the sync save
+    write_s: float  # the background write
+    step_quiet_s: float
+    step_during_s: float
+    extra_while_writing_s: float  # loop time while writing, beyond the same number of write-free periods
+
+
+def measure_stall(width: int, depth: int, root: Path) -> Stall:
+    writes = Writes()
+    uninstall = writes.install()
+    probe = StallProbe(root, writes)
+    try:
+        torch.manual_seed(0)
+        quiet_trainer(max_steps=200, callbacks=[probe]).fit(Stack(width, depth), make_loader(width, 200))
+    finally:
+        uninstall()
+    assert probe.async_after is not None and probe.sync_after is not None, "the run stopped before both saves"
+    steps = probe.steps
+    gaps = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]  # boundary + data loading
+    a, s = probe.async_after, probe.sync_after
+    usual_gap = statistics.median(g for i, g in enumerate(gaps) if i not in (a, s))
+    w_start, w_end = writes.spans["async"]
+    overlapping = [i for i, (st, en) in enumerate(steps) if st < w_end and en > w_start]
+    quiet = [i for i in range(1, len(steps)) if i not in overlapping and i - 1 not in (a, s)]
+    step_quiet = statistics.median(steps[i][1] - steps[i][0] for i in quiet)
+    step_during = statistics.median(steps[i][1] - steps[i][0] for i in overlapping) if overlapping else step_quiet
+    period = step_quiet + usual_gap
+    inside = [i for i in overlapping if steps[i][1] <= w_end]  # whole periods that ended inside the write
+    extra = (steps[inside[-1]][1] - steps[a][1]) - len(inside) * period if inside else gaps[a] - usual_gap
+    for path in (root / "async", root / "sync"):
+        remove(path)
+    return Stall(gaps[a] - usual_gap, gaps[s] - usual_gap, w_end - w_start, step_quiet, step_during, extra)
+
+
+# --- report ---------------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--short", action="store_true", help="a ~3M-parameter model, one repeat (for CI)")
+    parser.add_argument("--dir", default=None, help="where to write (default: the system temp directory)")
+    args = parser.parse_args()
+    width, depth, repeats = (1024, 3, 1) if args.short else (4096, 6, 3)
+
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="ember-ckpt-bench-") as tmp:
+        root = Path(tmp)
+        torch.manual_seed(0)
+        module = Stack(width, depth)
+        trainer = quiet_trainer(max_steps=1)
+        trainer.fit(module, make_loader(width, 1))  # one AdamW step: the optimizer state exists
+        n_params = sum(p.numel() for p in module.parameters())
+        _, tensors = ckpt.split_tensors({"m": module.state_dict(), "o": trainer.optimizers[0].state_dict()})
+        n_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        print(
+            f"model: {depth} x Linear({width}, {width}) = {n_params / 1e6:.1f}M parameters; with AdamW state "
+            f"{n_bytes / 1e9:.2f} GB of tensors; {torch.get_num_threads()} torch threads; writing to {root}"
+        )
+        saves = measure_saves(trainer, module, root, repeats)
+        del trainer, module, tensors
+        stalls = [measure_stall(width, depth, root) for _ in range(repeats)]
+
+    best = {name: min(values) for name, values in saves.items()}
+    save_ratio = best["ember"] / best["torch.save"]
+    print(f"save time, best of {repeats} (median):")
+    for name, values in saves.items():
+        median = statistics.median(values)
+        print(f"  {name:17s} {best[name]:7.2f} s ({median:.2f} s)  x{best[name] / best['torch.save']:.2f} torch.save")
+    print(
+        f"  ember / torch.save = {save_ratio:.2f} (goal <= 1.25); "
+        f"ember / (torch.save + fsync) = {best['ember'] / best['torch.save+fsync']:.2f}"
+    )
+
+    stall = min(st.stall_s for st in stalls)
+    sync = min(st.sync_s for st in stalls)
+    stall_ratio = stall / sync
+    print(f"async save inside fit, best of {repeats}:")
+    for i, st in enumerate(stalls):
+        print(
+            f"  run {i}: stall {st.stall_s:.3f} s, sync save {st.sync_s:.2f} s, background write {st.write_s:.2f} s; "
+            f"step {st.step_quiet_s:.3f} s without a write, {st.step_during_s:.3f} s during it "
+            f"(x{st.step_during_s / st.step_quiet_s:.2f}); extra loop time while writing (stall included) "
+            f"{st.extra_while_writing_s:.2f} s"
+        )
+    print(f"  stall / sync save = {stall:.3f} s / {sync:.2f} s = {stall_ratio:.3f} (goal <= 0.10)")
+    ok_save, ok_stall = save_ratio <= 1.25, stall_ratio <= 0.10
+    if args.short:
+        print("(--short: a small model; the goals are meant for the full ~100M-parameter run)")
+    print(
+        f"verdict: {'meets' if ok_save and ok_stall else 'misses'} the goals "
+        f"(save / torch.save x{save_ratio:.2f} <= 1.25{'' if ok_save else ' missed'}, "
+        f"async stall / sync save x{stall_ratio:.3f} <= 0.10{'' if ok_stall else ' missed'})"
+    )
+
+
+if __name__ == "__main__":
+    main()
