@@ -8,6 +8,7 @@ from ember.callbacks.early_stopping import EarlyStopping
 from ember.callbacks.ema import EMA
 from ember.callbacks.gradient_monitor import GradientMonitor, ParameterHistograms
 from ember.callbacks.lr_monitor import LearningRateMonitor
+from ember.callbacks.model_checkpoint import ModelCheckpoint
 from ember.callbacks.model_summary import ModelSummary
 from ember.callbacks.progress import ProgressLine
 from ember.callbacks.rich_progress import RichProgressBar
@@ -20,6 +21,7 @@ __all__ = [
     "EarlyStopping",
     "GradientMonitor",
     "LearningRateMonitor",
+    "ModelCheckpoint",
     "ModelSummary",
     "ParameterHistograms",
     "ProgressLine",
