@@ -148,6 +148,7 @@ class CheckpointWriter:
             if trainer.is_global_zero:
                 for logger in trainer.loggers:  # the logs on disk match the checkpoint
                     logger.save()
+            req.on_done = _telling_loggers(trainer, req.on_done)  # e.g. W&B uploads it as an artifact
             snapshot = state.gather(trainer, module, req.weights_only, copy=req.async_save)
             if req.async_save:
                 self._thread = threading.Thread(target=self._write_in_background, args=(req, snapshot), daemon=True)
@@ -197,6 +198,18 @@ class CheckpointWriter:
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"a background checkpoint write failed: {error}") from error
+
+
+def _telling_loggers(trainer: Trainer, on_done: OnDone | None) -> OnDone:
+    """`on_done`, preceded by ``logger.after_save_checkpoint(path)`` for every logger (rank zero, main thread)."""
+
+    def done(path: Path) -> None:
+        for logger in trainer.loggers:
+            logger.after_save_checkpoint(path)
+        if on_done is not None:
+            on_done(path)
+
+    return done
 
 
 def resume(trainer: Trainer, module: TrainingModule, path: Path) -> dict[str, Any]:

@@ -166,6 +166,7 @@ def run_evaluation(
     """
     hooks, collector = trainer.hooks, trainer.eval_collector
     step_fn = getattr(module, _STEP_METHOD[stage])
+    trainer.num_eval_batches = list(limits)  # progress bars show n/total
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
     trainer.collector = collector

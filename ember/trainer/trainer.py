@@ -151,6 +151,8 @@ class Trainer:
         self.collector = self.train_collector
         self.epoch_plan = EpochPlan(0, 1, math.inf)
         self.num_val_batches: list[float] = []
+        #: Batches per dataloader of the running validation/test/predict (inf: unknown length).
+        self.num_eval_batches: list[float] = []
         self._epoch_metrics: dict[str, Any] = {}
         #: Every epoch metric of the most recent validation/test run, as floats.
         self.last_eval_metrics: dict[str, float] = {}
