@@ -108,6 +108,7 @@ def write_checkpoint(
     rank: int = 0,
     world_size: int = 1,
     group: Any = None,
+    set_last: bool = False,
 ) -> Path:
     """Write a complete checkpoint directory at `path` (which must not exist); returns `path`.
 
@@ -149,7 +150,9 @@ def write_checkpoint(
             _fsync_path(tmp)
             os.rename(tmp, path)
             _fsync_path(path.parent)
-        barrier()
+            if set_last:  # `last` only ever names a complete checkpoint
+                point_last_at(path)
+        barrier()  # every process returns once the checkpoint (and `last`) is in place
     except BaseException as exc:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

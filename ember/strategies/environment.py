@@ -40,15 +40,21 @@ class ClusterEnvironment:
 
 
 def first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM node list: ``"gpu[03-05,09],cpu1"`` -> ``"gpu03"``."""
-    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if not match:
+    """First host of a SLURM node list.
+
+    ``"gpu[03-05,09],cpu1"`` -> ``"gpu03"``; ``"r[1-2]-n[01-02]"`` -> ``"r1-n01"``.
+    """
+    text, depth, end = nodelist.strip(), 0, None
+    for i, char in enumerate(text):  # the first entry ends at a comma outside brackets
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            end = i
+            break
+    first = text[:end]
+    if not first or first.count("[") != first.count("]"):
         raise ValueError(f"cannot read the SLURM node list {nodelist!r}")
-    prefix, ranges = match.group(1), match.group(3)
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    # Each bracket group stands for its first value: "[01-02,07]" -> "01".
+    return re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], first)
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:

@@ -121,6 +121,27 @@ class FSDPStrategy(ParallelStrategy):
         self._module = module
         return module
 
+    @contextlib.contextmanager
+    def eval_context(self) -> Iterator[None]:
+        """Gather every shard unit's parameters once for the whole evaluation.
+
+        Evaluation splits data without padding, so ranks may run different
+        numbers of batches; with the parameters already gathered, forward makes
+        no collective and no rank waits for another.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in (self._module.modules() if self._module is not None else []) if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.set_reshard_after_forward(False)
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
+                unit.set_reshard_after_forward(self.reshard_after_forward)
+
     def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[None]:
         return self._gradient_sync(not enabled)
 

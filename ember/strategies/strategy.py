@@ -90,6 +90,10 @@ class Strategy:
         """Whether the processes must be started first (``devices > 1`` without a launcher)."""
         return False
 
+    def eval_context(self) -> contextlib.AbstractContextManager[None]:
+        """Context an evaluation runs in (FSDP gathers the parameters once, so ranks may run unequal batches)."""
+        return _NULL_CONTEXT
+
     def forward_context(self) -> contextlib.AbstractContextManager[None]:
         return self.precision.forward_context()
 

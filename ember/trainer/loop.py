@@ -174,7 +174,7 @@ def run_evaluation(
     predictions: list[list[Any]] = [[] for _ in loaders]
     hooks.on_eval_start(stage)
     hooks.on_eval_epoch_start(stage)
-    with torch.no_grad():
+    with torch.no_grad(), trainer.strategy.eval_context():
         for dl_idx, loader in enumerate(loaders):
             extra = (dl_idx,) if len(loaders) > 1 else ()
             collector.suffix = f"/dataloader_idx_{dl_idx}" if extra else ""

@@ -114,7 +114,8 @@ def resolve_strategy(
     use_cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
     if devices == "auto":
         cluster = detect()
-        count = cluster.world_size // num_nodes if cluster.kind != "single" else 1
+        # The launcher's processes per node; a num_nodes that disagrees is reported in setup_environment.
+        count = max(cluster.world_size // max(cluster.num_nodes, 1), 1) if cluster.kind != "single" else 1
     elif isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
         count = devices
     elif isinstance(devices, str) and devices.isdigit() and int(devices) >= 1:

@@ -190,9 +190,16 @@ def gather(trainer: Trainer, module: TrainingModule, weights_only: bool, copy: b
     return Snapshot(meta, tensors, rank_state, strategy.global_rank, strategy.world_size, group)
 
 
-def write(path: Path, snapshot: Snapshot) -> Path:
+def write(path: Path, snapshot: Snapshot, set_last: bool = False) -> Path:
     return ckpt.write_checkpoint(
-        path, snapshot.meta, snapshot.tensors, snapshot.rank_state, snapshot.rank, snapshot.world_size, snapshot.group
+        path,
+        snapshot.meta,
+        snapshot.tensors,
+        snapshot.rank_state,
+        snapshot.rank,
+        snapshot.world_size,
+        snapshot.group,
+        set_last,
     )
 
 

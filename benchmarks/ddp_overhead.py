@@ -1,0 +1,182 @@
+"""Per-step time of ember's DDP strategy over a raw DistributedDataParallel loop, on the same processes.
+
+Every rank runs both, interleaved (raw, ember, raw, ember, ...), so machine noise hits both alike:
+a raw loop (DDP-wrapped MLP 32 -> 64 -> 2, batch 32 per rank, SGD, a DataLoader with a shuffling
+DistributedSampler and ``set_epoch``) and ``ember.Trainer(strategy="ddp")`` with the same model, data and
+optimizer (no logger, progress bar, summary or checkpoints; the step logs ``train/loss`` as usual).
+Only the training loop is timed: from the first batch to the last optimizer step (ember: ``on_train_start``
+to ``on_train_end``), not process start-up or DDP wrapping. The ratio uses the best repeat per variant
+(noise only adds time), taking the slower rank of each repeat; the median is shown beside it.
+
+    python benchmarks/ddp_overhead.py              # starts itself under torchrun: 2 CPU processes (gloo)
+    python benchmarks/ddp_overhead.py --short      # CI: 2 repeats of 1 epoch
+    torchrun --nproc-per-node=1 benchmarks/ddp_overhead.py --accelerator cuda   # one GPU (NCCL)
+
+Goal: ember DDP / raw DDP <= 1.05.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ember
+
+BATCH, STEPS_PER_EPOCH, GOAL = 32, 256, 1.05
+
+
+def make_data(world_size: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    n = BATCH * STEPS_PER_EPOCH * world_size
+    return TensorDataset(torch.randn(n, 32, generator=g), torch.randint(0, 2, (n,), generator=g))
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 2))
+
+
+class Tiny(ember.TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = make_model()
+        self.loss_fn = nn.CrossEntropyLoss()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss_fn(self.model(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class LoopTimer(ember.Callback):
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self.start = time.perf_counter()
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        _sync(trainer.strategy.root_device)
+        self.seconds = time.perf_counter() - self.start
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_raw(data: TensorDataset, epochs: int, device: torch.device) -> float:
+    model = make_model().to(device)
+    device_ids = [device.index] if device.type == "cuda" else None
+    # DDP configured as ember's DDPStrategy does by default: the loop, not DDP's options, is what is compared.
+    ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
+    loss_fn, opt = nn.CrossEntropyLoss(), torch.optim.SGD(ddp.parameters(), lr=0.01)
+    dist.barrier()
+    start = time.perf_counter()
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            if device.type == "cuda":
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss = loss_fn(ddp(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def run_ember(data: TensorDataset, epochs: int, accelerator: str) -> float:
+    timer = LoopTimer()
+    trainer = ember.Trainer(
+        max_epochs=epochs,
+        strategy="ddp",
+        accelerator=accelerator,
+        callbacks=[timer],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    dist.barrier()
+    trainer.fit(Tiny(), DataLoader(data, batch_size=BATCH, shuffle=True))
+    return timer.seconds
+
+
+def relaunch(args: list[str], nproc: int) -> None:
+    """Not under torchrun: run this file again under it, `nproc` processes."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    raise SystemExit(subprocess.call(cmd, env=env))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--short", action="store_true", help="2 repeats of 1 epoch (for CI)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per variant (default 7)")
+    parser.add_argument("--nproc", type=int, default=2, help="processes when not started by torchrun (default 2)")
+    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args()
+    if "LOCAL_RANK" not in os.environ:
+        relaunch(sys.argv[1:], args.nproc)
+    epochs, repeats = (1, 2) if args.short else (2, args.repeats or 7)
+    torch.set_num_threads(1)
+    if args.accelerator == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    # ember joins this group (it only creates one when none exists), so both variants share it.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=120))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    data = make_data(world)
+    run_raw(data, 1, device)  # warm-up: first-call costs (allocator, DDP buckets, imports) out of the timing
+    run_ember(data, 1, args.accelerator)
+    times: dict[str, list[float]] = {"raw DDP": [], "ember DDP": []}
+    for _ in range(repeats):
+        for name, seconds in (
+            ("raw DDP", run_raw(data, epochs, device)),
+            ("ember DDP", run_ember(data, epochs, args.accelerator)),
+        ):
+            slowest = [0.0] * world
+            dist.all_gather_object(slowest, seconds)
+            times[name].append(max(slowest))
+    dist.barrier()
+    if rank == 0:
+        steps = epochs * STEPS_PER_EPOCH
+        best = {name: min(values) for name, values in times.items()}
+        backend = dist.get_backend()
+        print(
+            f"{world} processes ({backend}, {device.type}), {steps} steps per run, {repeats} runs each, batch {BATCH}"
+        )
+        print("per-step time: best, median, best / raw")
+        for name, values in times.items():
+            per_step, median = best[name] / steps * 1e6, statistics.median(values) / steps * 1e6
+            print(f"  {name:10s} {per_step:8.1f} us {median:8.1f} us   x{best[name] / best['raw DDP']:.3f}")
+        ratio = best["ember DDP"] / best["raw DDP"]
+        verdict = "meets" if ratio <= GOAL else "misses"
+        print(f"ratio ember/raw: {ratio:.3f}")
+        print(f"verdict: {verdict} the goal (ember DDP / raw DDP x{ratio:.3f} <= {GOAL})")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
