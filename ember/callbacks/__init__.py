@@ -1,31 +1,33 @@
 """Callbacks: the `Callback` base with every hook, and the built-in callbacks.
 
-Optional display libraries (rich) are imported only when a callback draws.
+The built-in callbacks are imported on first use (``ember.callbacks.EarlyStopping``),
+so ``import ember`` stays light; optional display libraries (rich) are imported only
+when a callback draws.
 """
 
-from ember.callbacks.callback import Callback
-from ember.callbacks.early_stopping import EarlyStopping
-from ember.callbacks.ema import EMA
-from ember.callbacks.gradient_monitor import GradientMonitor, ParameterHistograms
-from ember.callbacks.lr_monitor import LearningRateMonitor
-from ember.callbacks.model_checkpoint import ModelCheckpoint
-from ember.callbacks.model_summary import ModelSummary
-from ember.callbacks.progress import ProgressLine
-from ember.callbacks.rich_progress import RichProgressBar
-from ember.callbacks.throughput import ThroughputMonitor
-from ember.callbacks.timer import Timer
+import importlib
+from typing import Any
 
-__all__ = [
-    "EMA",
-    "Callback",
-    "EarlyStopping",
-    "GradientMonitor",
-    "LearningRateMonitor",
-    "ModelCheckpoint",
-    "ModelSummary",
-    "ParameterHistograms",
-    "ProgressLine",
-    "RichProgressBar",
-    "ThroughputMonitor",
-    "Timer",
-]
+from ember.callbacks.callback import Callback
+
+_WHERE = {
+    "EMA": "ema",
+    "EarlyStopping": "early_stopping",
+    "GradientMonitor": "gradient_monitor",
+    "LearningRateMonitor": "lr_monitor",
+    "ModelCheckpoint": "model_checkpoint",
+    "ModelSummary": "model_summary",
+    "ParameterHistograms": "gradient_monitor",
+    "ProgressLine": "progress",
+    "RichProgressBar": "rich_progress",
+    "ThroughputMonitor": "throughput",
+    "Timer": "timer",
+}
+
+__all__ = ["Callback", *sorted(_WHERE)]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"ember.callbacks.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'ember.callbacks' has no attribute {name!r}")
