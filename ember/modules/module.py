@@ -123,6 +123,24 @@ class TrainingModule(nn.Module):
 
         checkpoint.save_weights(Path(path), self.state_dict())
 
+    # --- freezing ----------------------------------------------------------------
+    def freeze(self) -> Self:
+        """Stop training every parameter (``requires_grad=False``) and switch to eval mode.
+
+        Eval mode matters for BatchNorm and Dropout: a frozen backbone should
+        neither update its running statistics nor drop activations. Returns the
+        module, so ``backbone.freeze()`` chains.
+        """
+        for param in self.parameters():
+            param.requires_grad_(False)
+        return self.eval()
+
+    def unfreeze(self) -> Self:
+        """Undo `freeze`: every parameter trains again and the module is in train mode."""
+        for param in self.parameters():
+            param.requires_grad_(True)
+        return self.train()
+
     # --- hyperparameters --------------------------------------------------------
     @property
     def hparams(self) -> AttributeDict:
