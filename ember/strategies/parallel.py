@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -63,7 +64,12 @@ class ParallelStrategy(Strategy):
         self.num_nodes = 1
         self.accelerator = "auto"
         self.checkpoint_group: Any = None
+        self.flag_group: Any = None
+        #: Seconds between two exchanges of the preemption flags (ranks agree on it in each exchange).
+        self.flag_interval_s = 0.5
         self._flag_work: Any = None
+        self._boundaries_to_exchange = 1
+        self._last_exchange = 0.0
 
     # --- topology -----------------------------------------------------------
     @property
@@ -114,12 +120,23 @@ class ParallelStrategy(Strategy):
         if not dist.is_initialized():
             self.cluster.export()
             backend = self.backend or ("nccl" if use_cuda else "gloo")
-            dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout_s))
+            timeout = timedelta(seconds=self.timeout_s)
+            store = _store_of_this_attempt(timeout)
+            if store is None:
+                dist.init_process_group(backend, timeout=timeout)
+            else:
+                dist.init_process_group(
+                    backend, timeout=timeout, store=store, rank=self.cluster.global_rank,
+                    world_size=self.cluster.world_size,
+                )  # fmt: skip
             atexit.register(_destroy_group)
         if self.checkpoint_group is None:
-            # Checkpoint writes (possibly in a background thread) and the preemption flag get their
-            # own gloo group, so their collectives never interleave with the training ones.
-            self.checkpoint_group = dist.new_group(backend="gloo")
+            # Checkpoint writes (possibly in a background thread) and the preemption flag each get their
+            # own gloo group: collectives of one group issued from two threads could pair up differently
+            # on each rank, and neither may interleave with the training collectives.
+            timeout = timedelta(seconds=self.timeout_s)
+            self.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
+            self.flag_group = dist.new_group(backend="gloo", timeout=timeout)
 
     def distribute_loader(self, loader: Any, training: bool) -> Any:
         """Give a DataLoader a distributed sampler that keeps the user's intent.
@@ -178,10 +195,11 @@ class ParallelStrategy(Strategy):
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
-    def any_flag(self, flag: bool) -> Any:
-        """Start a non-blocking OR of `flag` over ranks; returns ``(work, tensor)`` to read later."""
-        tensor = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.checkpoint_group, async_op=True)
+    def any_flag(self, flag: bool, proposal: int = 1) -> Any:
+        """Start a non-blocking exchange of `flag` (OR over ranks) and of a proposed number of boundaries
+        until the next exchange (MIN over ranks); returns ``(work, tensor)`` to read later."""
+        tensor = torch.tensor([1 if flag else 0, -proposal], dtype=torch.int64)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.flag_group, async_op=True)
         return work, tensor
 
     @contextlib.contextmanager
@@ -191,21 +209,49 @@ class ParallelStrategy(Strategy):
     def preemption_requested(self, local: bool) -> bool:
         """Whether any process got a preemption signal, agreed without a blocking collective.
 
-        Each boundary starts a non-blocking OR of the local flags and reads the
-        one started at the previous boundary (long finished by then), so every
-        process stops at the same boundary, one step after the signal.
+        The ranks exchange their flags only every `flag_interval_s` seconds or
+        so, not every step (a collective per step costs a host round trip). An
+        exchange is started at a boundary and read at the next exchange (long
+        finished by then); with the flags each rank proposes how many boundaries
+        make up the interval at its step time, and all take the smallest, so
+        every process reads the result, and stops, at the same boundary.
         """
         if not dist.is_initialized() or self.world_size == 1:
             return local
-        previous, self._flag_work = self._flag_work, self.any_flag(local)
-        if previous is None:
+        self._boundaries_to_exchange -= 1
+        if self._boundaries_to_exchange > 0:
             return False
-        work, tensor = previous
-        work.wait()
-        return bool(tensor.item())  # a CPU tensor of the gloo group: no device sync
+        now = time.perf_counter()
+        stop, interval = False, 1
+        if self._flag_work is not None:
+            (work, tensor), boundaries = self._flag_work
+            work.wait()
+            stop, interval = bool(tensor[0]), int(-tensor[1])  # a CPU tensor of the gloo group: no device sync
+            step_s = (now - self._last_exchange) / boundaries
+            proposal = max(1, min(10_000, int(self.flag_interval_s / step_s) if step_s > 0 else 1))
+        else:
+            proposal = 1
+        self._last_exchange = now
+        self._boundaries_to_exchange = interval
+        self._flag_work = (self.any_flag(local, proposal), interval)
+        return stop
 
     def teardown(self) -> None:
         """The process group stays up for the next fit/validate/test (it is closed at exit)."""
+
+
+def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun, a store whose keys belong to this restart attempt only.
+
+    torchrun's workers share the agent's store across restarts, so after a
+    restart a worker could read the previous attempt's peer addresses and the
+    rendezvous times out. Keys prefixed by the restart count cannot collide.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/ember/attempt_{attempt}/", client)
 
 
 def _destroy_group() -> None:

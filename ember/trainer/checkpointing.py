@@ -149,10 +149,6 @@ class CheckpointWriter:
                 for logger in trainer.loggers:  # the logs on disk match the checkpoint
                     logger.save()
             req.on_done = _telling_loggers(trainer, req.on_done)  # e.g. W&B uploads it as an artifact
-            if req.async_save and trainer.world_size > 1:
-                # Background writes with several processes are not yet reliable (a collective write can
-                # stall against training collectives): write at this boundary instead.
-                req.async_save = False
             snapshot = state.gather(trainer, module, req.weights_only, copy=req.async_save)
             if req.async_save:
                 self._thread = threading.Thread(target=self._write_in_background, args=(req, snapshot), daemon=True)
