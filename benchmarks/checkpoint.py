@@ -9,11 +9,13 @@ process, each measurement repeated and the best kept (noise only adds time):
   and optimizer state dicts, once plain (the goal's baseline: returns when the
   bytes are in the page cache) and once followed by fsync (the same durability
   as ember).
-- training stall: inside ``fit``, an async save at a step boundary, then, once
-  it is written, a sync save. The stall is how much longer that boundary took
-  than an ordinary one (the snapshot the loop waits for); the sync save time is
-  the same for a sync save. Step times while the background write is in flight
-  are shown beside step times without one.
+- training stall: inside ``fit``, an async save at a step boundary, once it is
+  written a second one (the steady state of periodic saves: the snapshot buffers
+  of the first are reused), then a sync save. The stall is how much longer the
+  second async save's boundary took than an ordinary one (the snapshot copy the
+  loop waits for; the first one's, with fresh buffers, is shown beside it); the
+  sync save time is the same for the sync save. Step times while the background
+  write is in flight are shown beside step times without one.
 
     python benchmarks/checkpoint.py            # full: ~100M parameters, 3 repeats
     python benchmarks/checkpoint.py --short    # CI: ~3M parameters, 1 repeat
@@ -142,14 +144,17 @@ class Writes:
 
 
 class StallProbe(ember.Callback):
-    """Async save after `warmup` steps; once written and `settle` steps later, a sync save; then stop."""
+    """After `warmup` steps, three saves, each once the previous one is written and `settle` steps later:
+    an async save (its snapshot buffers are new), a second async save (they are reused: the steady state
+    of periodic saves) and a sync save; then stop."""
+
+    PLAN = (("async", True), ("async2", True), ("sync", False))
 
     def __init__(self, root: Path, writes: Writes, warmup: int = 3, settle: int = 2) -> None:
         self.root, self.writes, self.warmup, self.settle = root, writes, warmup, settle
         self.steps: list[tuple[float, float]] = []
-        self.async_after: int | None = None
-        self.sync_after: int | None = None
-        self._sync_due: int | None = None
+        self.after: dict[str, int] = {}  # save name -> index of the step before its boundary
+        self._next_due: int | None = warmup
         self._start = 0.0
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
@@ -158,23 +163,25 @@ class StallProbe(ember.Callback):
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.steps.append((self._start, time.perf_counter()))
         n = len(self.steps)
-        if n == self.warmup:
-            trainer.save_checkpoint(self.root / "async", async_save=True)
-            self.async_after = n - 1
-        elif self._sync_due is None and self.async_after is not None and "async" in self.writes.spans:
-            self._sync_due = n + self.settle
-        elif n == self._sync_due:
-            trainer.save_checkpoint(self.root / "sync")
-            self.sync_after = n - 1
-        elif self.sync_after is not None and n > self.sync_after + self.settle:
-            trainer.should_stop = True
+        done = len(self.after)
+        if done and self._next_due is None and self.PLAN[done - 1][0] in self.writes.spans:
+            self._next_due = n + self.settle  # the previous save is written: the next one after settling
+        if n == self._next_due:
+            if done == len(self.PLAN):
+                trainer.should_stop = True
+                return
+            name, async_save = self.PLAN[done]
+            trainer.save_checkpoint(self.root / name, async_save=async_save)
+            self.after[name] = n - 1
+            self._next_due = None
 
 
 @dataclass
 class Stall:
-    stall_s: float  # extra time of the boundary that started the async save
+    first_stall_s: float  # extra time of the boundary that started the first async save (new buffers)
+    stall_s: float  # ... of the second async save (reused buffers)
     sync_s: float  # extra time of the boundary that ran the sync save
-    write_s: float  # the background write
+    write_s: float  # the second background write
     step_quiet_s: float
     step_during_s: float
     extra_while_writing_s: float  # loop time while writing, beyond the same number of write-free periods
@@ -186,25 +193,31 @@ def measure_stall(width: int, depth: int, root: Path) -> Stall:
     probe = StallProbe(root, writes)
     try:
         torch.manual_seed(0)
-        quiet_trainer(max_steps=200, callbacks=[probe]).fit(Stack(width, depth), make_loader(width, 200))
+        quiet_trainer(max_steps=300, callbacks=[probe]).fit(Stack(width, depth), make_loader(width, 300))
     finally:
         uninstall()
-    assert probe.async_after is not None and probe.sync_after is not None, "the run stopped before both saves"
+    assert len(probe.after) == len(probe.PLAN), "the run stopped before every save"
     steps = probe.steps
     gaps = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]  # boundary + data loading
-    a, s = probe.async_after, probe.sync_after
-    usual_gap = statistics.median(g for i, g in enumerate(gaps) if i not in (a, s))
-    w_start, w_end = writes.spans["async"]
+    a1, a, s = probe.after["async"], probe.after["async2"], probe.after["sync"]
+    usual_gap = statistics.median(g for i, g in enumerate(gaps) if i not in (a1, a, s))
+    busy: set[int] = set()
+    for name in ("async", "async2"):
+        w_start, w_end = writes.spans[name]
+        busy |= {i for i, (st, en) in enumerate(steps) if st < w_end and en > w_start}
+    w_start, w_end = writes.spans["async2"]
     overlapping = [i for i, (st, en) in enumerate(steps) if st < w_end and en > w_start]
-    quiet = [i for i in range(1, len(steps)) if i not in overlapping and i - 1 not in (a, s)]
+    quiet = [i for i in range(1, len(steps)) if i not in busy and i - 1 not in (a1, a, s)]
     step_quiet = statistics.median(steps[i][1] - steps[i][0] for i in quiet)
     step_during = statistics.median(steps[i][1] - steps[i][0] for i in overlapping) if overlapping else step_quiet
     period = step_quiet + usual_gap
     inside = [i for i in overlapping if steps[i][1] <= w_end]  # whole periods that ended inside the write
     extra = (steps[inside[-1]][1] - steps[a][1]) - len(inside) * period if inside else gaps[a] - usual_gap
-    for path in (root / "async", root / "sync"):
-        remove(path)
-    return Stall(gaps[a] - usual_gap, gaps[s] - usual_gap, w_end - w_start, step_quiet, step_during, extra)
+    for name, _ in probe.PLAN:
+        remove(root / name)
+    return Stall(
+        gaps[a1] - usual_gap, gaps[a] - usual_gap, gaps[s] - usual_gap, w_end - w_start, step_quiet, step_during, extra
+    )
 
 
 # --- report ---------------------------------------------------------------------------------------------------------
@@ -251,7 +264,8 @@ def main() -> None:
     print(f"async save inside fit, best of {repeats}:")
     for i, st in enumerate(stalls):
         print(
-            f"  run {i}: stall {st.stall_s:.3f} s, sync save {st.sync_s:.2f} s, background write {st.write_s:.2f} s; "
+            f"  run {i}: stall {st.stall_s:.3f} s (first async save {st.first_stall_s:.3f} s), "
+            f"sync save {st.sync_s:.2f} s, background write {st.write_s:.2f} s; "
             f"step {st.step_quiet_s:.3f} s without a write, {st.step_during_s:.3f} s during it "
             f"(x{st.step_during_s / st.step_quiet_s:.2f}); extra loop time while writing (stall included) "
             f"{st.extra_while_writing_s:.2f} s"

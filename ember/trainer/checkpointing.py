@@ -20,6 +20,8 @@ from ember import checkpoint as ckpt
 from ember.trainer import signals, state
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
 
@@ -134,6 +136,8 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self._after_background: list[tuple[OnDone, Path]] = []
         self._waits_at_exit = False
+        #: Copies of the last async snapshot, reused by the next one (`release` frees them).
+        self._staging: dict[str, Tensor] = {}
 
     def request(self, path: Path, weights_only: bool, async_save: bool, set_last: bool, on_done: OnDone | None) -> None:
         if any(r.path == path for r in self.pending) or path.exists():
@@ -149,7 +153,8 @@ class CheckpointWriter:
                 for logger in trainer.loggers:  # the logs on disk match the checkpoint
                     logger.save()
             req.on_done = _telling_loggers(trainer, req.on_done)  # e.g. W&B uploads it as an artifact
-            snapshot = state.gather(trainer, module, req.weights_only, copy=req.async_save)
+            staging = self._staging if req.async_save else None
+            snapshot = state.gather(trainer, module, req.weights_only, copy=req.async_save, staging=staging)
             if req.async_save:
                 self._thread = threading.Thread(target=self._write_in_background, args=(req, snapshot), daemon=True)
                 self._thread.start()
@@ -180,6 +185,11 @@ class CheckpointWriter:
             self.wait()
         except RuntimeError as exc:
             print(f"ember: {exc}", file=sys.stderr, flush=True)
+
+    def release(self) -> None:
+        """Wait for the write in flight, then free the async snapshot buffers (the end of fit)."""
+        self.wait()
+        self._staging = {}
 
     @property
     def busy(self) -> bool:
@@ -229,7 +239,7 @@ def finish_writes_quietly(trainer: Trainer) -> None:
     """On the way out of a failed run: let an in-flight write finish; report (not raise) its error."""
     trainer._writer.pending.clear()
     try:
-        trainer._writer.wait()
+        trainer._writer.release()
     except RuntimeError as exc:
         print(f"ember: {exc}", file=sys.stderr, flush=True)
 

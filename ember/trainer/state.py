@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 from torch import Tensor, nn
 from torch.utils.data import IterableDataset
 
@@ -165,8 +166,19 @@ class Snapshot:
     group: Any = None
 
 
-def gather(trainer: Trainer, module: TrainingModule, weights_only: bool, copy: bool) -> Snapshot:
-    """Collect the registry; with `copy`, tensors are cloned so training may go on while it is written."""
+def gather(
+    trainer: Trainer,
+    module: TrainingModule,
+    weights_only: bool,
+    copy: bool,
+    staging: dict[str, Tensor] | None = None,
+) -> Snapshot:
+    """Collect the registry; with `copy`, tensors are copied so training may go on while it is written.
+
+    The copies go into `staging` (tensors of an earlier snapshot whose write has finished, reused when
+    key, shape, dtype and device match, else allocated and kept there): a periodic async save then
+    costs the loop one memory copy, not an allocation that touches fresh pages.
+    """
     entries = registry(trainer, module)
     names = ("module",) if weights_only else tuple(entries)
     states = {name: entries[name].state_dict() for name in names}
@@ -183,11 +195,20 @@ def gather(trainer: Trainer, module: TrainingModule, weights_only: bool, copy: b
     trainer.hooks.on_save_checkpoint(meta)
     rank_state = {"rng": capture_rng(), "epoch_start": trainer.epoch_start_state, **data_state(trainer)}
     if copy:
-        tensors = {k: v.detach().clone() for k, v in tensors.items()}
+        tensors = {k: _copy_into(staging, k, v.detach()) for k, v in tensors.items()}
         meta, rank_state = copy_module.deepcopy(meta), copy_module.deepcopy(rank_state)
     strategy = trainer.strategy
     group = getattr(strategy, "checkpoint_group", None)
     return Snapshot(meta, tensors, rank_state, strategy.global_rank, strategy.world_size, group)
+
+
+def _copy_into(staging: dict[str, Tensor] | None, key: str, value: Tensor) -> Tensor:
+    if staging is None or type(value) is not torch.Tensor:  # e.g. FSDP's DTensors: a fresh clone
+        return value.clone()
+    buffer = staging.get(key)
+    if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype or buffer.device != value.device:
+        buffer = staging[key] = torch.empty_like(value, memory_format=torch.contiguous_format)
+    return buffer.copy_(value)
 
 
 def write(path: Path, snapshot: Snapshot, set_last: bool = False) -> Path:

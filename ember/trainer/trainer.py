@@ -405,7 +405,7 @@ class Trainer:
             self.hooks.setup(stage)
             with torch.autograd.detect_anomaly() if self.detect_anomaly else contextlib.nullcontext():
                 yield
-            self._writer.wait()  # the last background checkpoint is complete (or its error raised) when fit returns
+            self._writer.release()  # the last background write is complete (or its error raised) when fit returns
             status = "success"
         except BaseException as exc:
             status = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else "failed"

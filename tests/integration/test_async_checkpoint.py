@@ -378,3 +378,41 @@ def test_async_save_in_flight_at_exit_is_completed(tmp_path: Path) -> None:
     assert target.is_dir(), "the async save was lost when the interpreter exited (daemon writer thread killed)"
     ckpt.check_complete(target)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_periodic_async_saves_reuse_their_snapshot_buffers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every async save copies into the buffers of the previous one (its write has finished by then), and
+    each checkpoint still holds the weights of its own step; fit frees the buffers when it ends."""
+    from ember.trainer import state
+
+    copies: list[dict[str, torch.Tensor]] = []
+    original = state.gather
+
+    def gather(*args: Any, **kwargs: Any) -> Any:
+        snapshot = original(*args, **kwargs)
+        copies.append(dict(snapshot.tensors))
+        return snapshot
+
+    monkeypatch.setattr(state, "gather", gather)
+
+    class Every2(Callback):
+        def __init__(self) -> None:
+            self.live: dict[int, torch.Tensor] = {}
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if trainer.global_step % 2 == 0:
+                self.live[trainer.global_step] = module.layer.weight.detach().clone()
+                trainer.save_checkpoint(tmp_path / f"step{trainer.global_step}", async_save=True)
+
+    seed_everything(0)
+    saver = Every2()
+    trainer = Trainer(max_steps=6, callbacks=[saver], **QUIET)
+    trainer.fit(Linear(64), loader(64))
+    assert len(copies) == 3
+    weight = "/module/layer.weight"
+    pointers = {c[weight].data_ptr() for c in copies}
+    assert len(pointers) == 1, "the second and third snapshots did not reuse the first one's buffers"
+    for step, live in saver.live.items():
+        saved = ckpt.read_module_state(tmp_path / f"step{step}")[1]["layer.weight"]
+        assert torch.equal(saved, live), f"checkpoint of step {step}"
+    assert trainer._writer._staging == {}, "fit kept the snapshot buffers after it ended"
