@@ -68,16 +68,15 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
         collector.start_batch(batch)
         hooks.on_train_batch_start(batch, batch_idx)
         steps_before = progress.global_step
-        outputs = run_training_batch(
-            trainer, module, batch, batch_idx, plan.window_size(batch_idx), plan.ends_window(batch_idx)
-        )
+        ends_window = plan.ends_window(batch_idx)
+        outputs = run_training_batch(trainer, module, batch, batch_idx, plan.window_size(batch_idx), ends_window)
         progress.batch_idx = batch_idx + 1
         if progress.global_step != steps_before and progress.global_step % trainer.log_every_n_steps == 0:
             trainer._log_metrics(trainer._step_metrics())
         hooks.on_train_batch_end(outputs, batch, batch_idx)
         if validates and plan.validates_after(batch_idx):
             validate_after(trainer, module, val_loaders, batch_idx)
-        if plan.ends_window(batch_idx):
+        if ends_window:
             trainer._at_boundary()  # pending checkpoints are written here; preemption acts here
             if trainer._should_stop_in_epoch():
                 if not plan.is_last(batch_idx):  # cut short: `last` must name this step, not the epoch end

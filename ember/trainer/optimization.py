@@ -63,7 +63,7 @@ def optimizer_step(trainer: Trainer, optimizer: Optimizer, closure: Any = None) 
         optimizer.zero_grad(set_to_none=True)
         trainer._window_has_grads = False
     trainer.progress.global_step += 1
-    if trainer._automatic:
+    if trainer._automatic and trainer.lr_scheduler_configs:
         step_schedulers(trainer, "step")
 
 
@@ -89,9 +89,12 @@ def step_schedulers(trainer: Trainer, interval: str) -> None:
 
 
 def _loss_of(output: Any) -> Tensor | None:
-    if output is None:
+    if type(output) is Tensor:  # the common case first: an ABC isinstance check costs a microsecond
+        loss = output
+    elif output is None:
         return None
-    loss = output.get("loss") if isinstance(output, Mapping) else output
+    else:
+        loss = output.get("loss") if isinstance(output, Mapping) else output
     if not isinstance(loss, Tensor):
         raise TypeError(
             "training_step must return a scalar loss tensor, a dict with a 'loss' tensor, or None; "
