@@ -11,6 +11,7 @@ from typing import Any
 from ember.callbacks.callback import Callback
 
 _WHERE = {
+    "BackboneFinetuning": "finetuning",
     "EMA": "ema",
     "EarlyStopping": "early_stopping",
     "GradientMonitor": "gradient_monitor",

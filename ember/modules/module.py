@@ -28,6 +28,7 @@ from ember.modules.hparams import AttributeDict, collect_init_args
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+    from ember.export import ExportResult
     from ember.modules.optimizers import ManualOptimizer
     from ember.trainer.trainer import Trainer
 
@@ -131,15 +132,17 @@ class TrainingModule(nn.Module):
         neither update its running statistics nor drop activations. Returns the
         module, so ``backbone.freeze()`` chains.
         """
-        for param in self.parameters():
-            param.requires_grad_(False)
-        return self.eval()
+        from ember.callbacks.finetuning import freeze
+
+        freeze(self)
+        return self
 
     def unfreeze(self) -> Self:
         """Undo `freeze`: every parameter trains again and the module is in train mode."""
-        for param in self.parameters():
-            param.requires_grad_(True)
-        return self.train()
+        from ember.callbacks.finetuning import unfreeze
+
+        unfreeze(self)
+        return self
 
     # --- hyperparameters --------------------------------------------------------
     @property
@@ -320,3 +323,71 @@ class TrainingModule(nn.Module):
         if self._manual_backward_fn is None:
             raise RuntimeError("manual_backward() is available inside fit only")
         self._manual_backward_fn(loss)
+
+    # --- export ---------------------------------------------------------------------------
+    # Each export runs in eval mode on an example input (the argument, else `example_input_array`),
+    # checks the artifact it wrote against this module, and only then moves it into place; see
+    # `ember.export` and docs/export.md.
+    def to_onnx(
+        self,
+        path: str | os.PathLike[str],
+        example_input: Any = None,
+        dynamic_batch: bool = True,
+        *,
+        dynamic_shapes: Any = None,
+        atol: float | None = None,
+        rtol: float | None = None,
+    ) -> ExportResult:
+        """Export to ONNX at `path` and check it in ONNX Runtime (at two batch sizes when `dynamic_batch`);
+        `dynamic_shapes` (torch.export's form) replaces the dynamic batch."""
+        from ember.export import export_onnx
+
+        return export_onnx(
+            self, path, example_input, dynamic_batch, dynamic_shapes=dynamic_shapes, atol=atol, rtol=rtol
+        )
+
+    def to_torchscript(
+        self,
+        path: str | os.PathLike[str],
+        method: str = "script",
+        example_input: Any = None,
+        *,
+        atol: float | None = None,
+        rtol: float | None = None,
+    ) -> ExportResult:
+        """Save ``torch.jit.script`` (or, with ``method="trace"``, ``torch.jit.trace``) of this module at
+        `path` and check ``torch.jit.load(path)`` on the example input."""
+        from ember.export import export_torchscript
+
+        return export_torchscript(self, path, method, example_input, atol=atol, rtol=rtol)
+
+    def export_program(
+        self,
+        path: str | os.PathLike[str],
+        example_input: Any = None,
+        dynamic_batch: bool = True,
+        *,
+        dynamic_shapes: Any = None,
+        atol: float | None = None,
+        rtol: float | None = None,
+    ) -> ExportResult:
+        """Save ``torch.export.export`` of this module (a ``.pt2`` file) and check ``torch.export.load(path)``
+        (at two batch sizes when `dynamic_batch`); `dynamic_shapes` replaces the dynamic batch."""
+        from ember.export import export_program
+
+        return export_program(
+            self, path, example_input, dynamic_batch, dynamic_shapes=dynamic_shapes, atol=atol, rtol=rtol
+        )
+
+    def to_safetensors(
+        self,
+        path: str | os.PathLike[str],
+        example_input: Any = None,
+        *,
+        atol: float | None = None,
+        rtol: float | None = None,
+    ) -> ExportResult:
+        """Save the weights (``state_dict``) as safetensors and check them (and the outputs, given an example input)."""
+        from ember.export import export_safetensors
+
+        return export_safetensors(self, path, example_input, atol=atol, rtol=rtol)

@@ -89,6 +89,7 @@ def step_schedulers(trainer: Trainer, interval: str) -> None:
 
 
 def _loss_of(output: Any) -> Tensor | None:
+    loss: Any
     if type(output) is Tensor:  # the common case first: an ABC isinstance check costs a microsecond
         loss = output
     elif output is None:

@@ -17,9 +17,11 @@ if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
 
-def run_name(module: TrainingModule) -> str:
-    """Default run name: the module's class name in snake_case (``Classifier`` -> ``classifier``)."""
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(module).__name__).lower()
+def run_name(module: TrainingModule | type) -> str:
+    """Default run name: the module's class name in snake_case (``Classifier`` -> ``classifier``,
+    ``CNNClassifier`` -> ``cnn_classifier``); a class may be given instead of a module."""
+    name = (module if isinstance(module, type) else type(module)).__name__
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
 
 
 def next_version(root: Path) -> str:
