@@ -6,6 +6,7 @@
     ember fit -c configs/digits.yaml --resume last
     ember test -c configs/digits.yaml --ckpt-path best
     ember fit -c configs/digits.yaml --print-config
+    ember export --ckpt last -c configs/digits.yaml --format onnx --out exports
 
 Every config mistake is found before anything is built: one line on stderr, exit code 2, no run
 directory (``--debug`` adds the traceback). The schema and the checks live in `ember.config`.
@@ -73,7 +74,41 @@ def build_parser() -> argparse.ArgumentParser:
                 metavar="best|last|PATH",
                 help="load these weights first; 'best'/'last': from the newest run of this run name",
             )
+    add_export_parser(commands)
     return parser
+
+
+EXPORT_EPILOG = """\
+The module is rebuilt from the config saved in the checkpoint (else the -c config) and loads the
+checkpoint's weights. The example input is the module's example_input_array, else the first rows of a
+batch of the data. The artifact is checked against the PyTorch module before it is moved into place;
+a mismatch is an error (exit 1) and leaves no file. Exit code 2: a config, checkpoint or command-line
+mistake. See docs/export.md.
+"""
+
+
+def add_export_parser(commands: Any) -> None:
+    """``ember export``: its own options (no trainer run), overrides as for the other subcommands."""
+    from ember.export import FORMATS
+
+    sub = commands.add_parser(
+        "export",
+        help="export a checkpoint's module to ONNX, TorchScript, torch.export, safetensors or TorchServe",
+        description="ember export: write a checkpoint's module as an inference artifact and check it.",
+        epilog=EXPORT_EPILOG,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub.add_argument("--ckpt", required=True, metavar="last|PATH", help="a checkpoint; 'last': the run's newest")
+    sub.add_argument("-c", "--config", action="append", default=[], metavar="FILE", help="the run's YAML config")
+    sub.add_argument("--format", required=True, choices=list(FORMATS), help="what to write")
+    sub.add_argument("--out", required=True, metavar="DIR", help="folder for the artifact")
+    sub.add_argument("--name", metavar="NAME", help="file name without suffix (default: the run name)")
+    sub.add_argument("--method", choices=["script", "trace"], default="script", help="torchscript: how")
+    sub.add_argument("--static-batch", action="store_true", help="onnx, torch-export: fix the batch size")
+    sub.add_argument("--atol", type=float, metavar="X", help="check tolerance, absolute (default 1e-4)")
+    sub.add_argument("--rtol", type=float, metavar="X", help="check tolerance, relative (default 1e-4)")
+    sub.add_argument("--debug", action="store_true", help="show full tracebacks")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -96,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(args: argparse.Namespace, overrides: list[str]) -> int:
     from ember import config
 
+    if args.command == "export":
+        return export(args, overrides)
     config.add_import_roots(args.config)
     if args.seed is not None:
         overrides = [*overrides, f"seed={args.seed}"]
@@ -190,3 +227,49 @@ def run(command: str, trainer: Trainer, module: TrainingModule, data: DataModule
     elapsed = time.perf_counter() - start
     if trainer.is_global_zero:
         print(f"{command} done in {elapsed:.1f} s ({where}): {shown or 'no metrics'}; run dir {trainer.run_dir}")
+
+
+def export(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``ember export``: find the checkpoint, rebuild its module, export and check; returns the exit code.
+
+    A failed export or check is one line on stderr and exit code 1; config mistakes raise `ConfigError`.
+    """
+    from ember import config
+    from ember.export import FORMATS, ExportError
+    from ember.export import export as export_module
+    from ember.export.rebuild import example_input, find_checkpoint, rebuild_module
+    from ember.trainer.setup import run_name
+
+    config.add_import_roots(args.config)
+    resolved = None
+    if args.config:
+        loaded = config.load(args.config, overrides)
+        resolved = config.resolve(loaded)
+        config.check(loaded, resolved)
+    elif overrides:
+        raise config.ConfigError(f"command line: {overrides[0]!r}: overrides change a config; give one with -c FILE")
+    start = time.perf_counter()
+    path = find_checkpoint(args.ckpt, resolved)
+    module, saved = rebuild_module(path, resolved)
+    example = example_input(module, (resolved or saved or {}).get("data"))
+    name = args.name or (resolved or saved or {}).get("trainer", {}).get("run_name") or run_name(type(module))
+    out = Path(args.out) / f"{name}{FORMATS[args.format]}"
+    try:
+        result = export_module(
+            module,
+            args.format,
+            out,
+            example,
+            dynamic_batch=not args.static_batch,
+            method=args.method,
+            atol=args.atol,
+            rtol=args.rtol,
+        )
+    except ExportError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"ember: error: {exc}", file=sys.stderr)
+        return 1
+    elapsed = time.perf_counter() - start
+    print(f"export done in {elapsed:.1f} s: {result.path} from {path} (checked: {result.describe_checks()})")
+    return 0

@@ -1,0 +1,148 @@
+"""ONNX export through the ``torch.export``-based exporter, checked in ONNX Runtime.
+
+Inputs are named ``input`` (``input_0``, ``input_1``, ... for several), outputs ``output`` (or
+``output_0``, ...). With ``dynamic_batch=True`` the first dimension of every input is the symbolic
+``batch``, and the check runs at the example's batch size and at twice it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ember.export.checks import (
+    DEFAULT_ATOL,
+    DEFAULT_RTOL,
+    ExportError,
+    ExportResult,
+    compare_outputs,
+    require,
+    run_artifact,
+)
+from ember.export.files import staged
+from ember.export.inputs import (
+    Inputs,
+    batch_dynamic_shapes,
+    batch_size,
+    evaluating,
+    example_inputs,
+    inputs_to_check,
+    reference_outputs,
+)
+
+if TYPE_CHECKING:
+    from ember.modules.module import TrainingModule
+
+#: Above this many bytes of parameters the weights go to a ``<file>.data`` file beside the model (ONNX's
+#: protobuf files cannot exceed 2 GB).
+EXTERNAL_DATA_BYTES = 1 << 30
+
+
+def export_onnx(
+    module: TrainingModule,
+    path: str | os.PathLike[str],
+    example_input: Any = None,
+    dynamic_batch: bool = True,
+    *,
+    opset_version: int | None = None,
+    dynamic_shapes: Any = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+) -> ExportResult:
+    """Write `module` (in eval mode) as an ONNX model at `path` and check it in ONNX Runtime.
+
+    The example input is `example_input` or ``module.example_input_array``. The outputs of an
+    ``onnxruntime.InferenceSession`` on it (and, with `dynamic_batch`, on a batch twice as large)
+    must match the module's within ``atol + rtol * |expected|``, or an `ExportError` is raised and
+    nothing is written. `dynamic_shapes` (torch.export's form, keyed by forward's argument names)
+    replaces the dynamic batch, e.g. ``{"tokens": {0: Dim("batch"), 1: Dim("seq", max=128)}}``.
+    """
+    require("onnxscript", "ONNX export")
+    ort = require("onnxruntime", "checking an ONNX export")
+    target = Path(path)
+    inputs = example_inputs(module, example_input)
+    atol, rtol = DEFAULT_ATOL if atol is None else atol, DEFAULT_RTOL if rtol is None else rtol
+    with evaluating(module):
+        checked = inputs_to_check(inputs, dynamic_batch)
+        expected = [reference_outputs(module, x) for _, x in checked]
+        input_names = _names("input", len(inputs))
+        output_names = _names("output", len(expected[0]))
+        # torch.export specialises a dimension of size 1: trace a dynamic batch on at least 2 rows.
+        traced = checked[-1][1] if dynamic_batch and batch_size(inputs) == 1 else inputs
+        with staged(target) as tmp:
+            shapes = dynamic_shapes if dynamic_shapes is not None else _batch_shapes(module, traced, dynamic_batch)
+            program = _export(module, traced, shapes, input_names, output_names, opset_version)
+            large = sum(p.numel() * p.element_size() for p in module.parameters()) > EXTERNAL_DATA_BYTES
+            program.save(str(tmp), external_data=large)
+            session = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
+            checks = []
+            for (on, x), reference in zip(checked, expected, strict=True):
+                feed = {name: t.detach().cpu().numpy() for name, t in zip(input_names, x, strict=True)}
+                run = functools.partial(session.run, output_names, feed)
+                got = run_artifact("onnx", target, run, on, batch_size(x))
+                checks.append(compare_outputs("onnx", target, got, reference, batch_size(x), atol, rtol, on))
+            del session  # closes the file before it is renamed (Windows)
+    return ExportResult("onnx", target, tuple(checks))
+
+
+def _names(stem: str, count: int) -> list[str]:
+    return [stem] if count == 1 else [f"{stem}_{i}" for i in range(count)]
+
+
+def _batch_shapes(module: TrainingModule, inputs: Inputs, dynamic_batch: bool) -> dict[str, Any] | None:
+    return batch_dynamic_shapes(module, inputs) if dynamic_batch else None
+
+
+def _export(
+    module: TrainingModule,
+    inputs: Inputs,
+    dynamic_shapes: Any,
+    input_names: list[str],
+    output_names: list[str],
+    opset_version: int | None,
+) -> Any:
+    try:
+        with _quiet_exporter():
+            program = torch.onnx.export(
+                module,
+                inputs,
+                dynamo=True,
+                dynamic_shapes=dynamic_shapes,
+                input_names=input_names,
+                output_names=output_names,
+                opset_version=opset_version,
+                verbose=False,
+            )
+    except ExportError:
+        raise
+    except Exception as exc:
+        hint = " (dynamic_batch=False, or --static-batch, exports a fixed batch size)" if dynamic_shapes else ""
+        raise ExportError(f"onnx export of {type(module).__qualname__} failed{hint}: {_first_line(exc)}") from exc
+    if program is None:  # only when given a file name; kept for the type checker
+        raise ExportError("torch.onnx.export returned no program")
+    return program
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    summary = next((line for line in lines if "Error:" in line or "error:" in line), lines[0] if lines else "")
+    return f"{type(exc).__name__}: {summary}"[:500]
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """The exporter logs a warning per torchvision operator it cannot register when torchvision is absent."""
+    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
