@@ -416,5 +416,9 @@ def save_weights(path: Path, state_dict: dict[str, Tensor]) -> None:
     """One-file weights export (a ``torch.save``d state dict), written beside and renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    _torch_save_synced({k: v.detach().cpu() for k, v in state_dict.items()}, tmp)
-    os.replace(tmp, path)
+    try:
+        _torch_save_synced({k: v.detach().cpu() for k, v in state_dict.items()}, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind; an older file at `path` stays
+        raise

@@ -553,3 +553,21 @@ def test_save_weights_is_a_plain_state_dict(tmp_path: Path) -> None:
     fresh = Net()
     fresh.load_state_dict(loaded)
     assert same(params(fresh), params(module))
+
+
+def test_a_failed_save_weights_keeps_the_old_file_and_leaves_no_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = Net()
+    file = tmp_path / "weights.pt"
+    module.save_weights(file)
+    before = file.read_bytes()
+
+    def full_disk(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        module.save_weights(file)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.pt"]
+    assert file.read_bytes() == before
