@@ -135,7 +135,10 @@ def write_checkpoint(
         tmp.mkdir()
     barrier()
     try:
-        writer = dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True, thread_count=1)
+        # Several files per process, written (and fsynced) by parallel threads: the copy into the page cache
+        # and the flush to disk overlap, which brings a save close to a plain torch.save without fsync.
+        threads = max(1, min(4, os.cpu_count() or 1))
+        writer = dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True, thread_count=threads)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
             if world_size > 1:

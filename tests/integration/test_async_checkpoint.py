@@ -169,7 +169,9 @@ def test_async_save_equals_sync_save_bitwise(tmp_path: Path, monkeypatch: pytest
     del a, s
     assert deep_equal(ckpt.read_meta(tmp_path / "async"), ckpt.read_meta(tmp_path / "sync"))
     assert deep_equal(ckpt.read_rank_meta(tmp_path / "async"), ckpt.read_rank_meta(tmp_path / "sync"))
-    for name in ("__0_0.distcp", "ember.pt", "rank-0.pt"):  # bitwise, file by file
+    shards = sorted(p.name for p in (tmp_path / "sync").glob("*.distcp"))
+    assert shards == sorted(p.name for p in (tmp_path / "async").glob("*.distcp")) and shards
+    for name in (*shards, "ember.pt", "rank-0.pt"):  # bitwise, file by file
         assert (tmp_path / "async" / name).read_bytes() == (tmp_path / "sync" / name).read_bytes(), name
 
 
