@@ -171,6 +171,10 @@ class CheckpointWriter:
         state.write(req.path, snapshot, req.set_last)
 
     def _write_in_background(self, req: _Request, snapshot: state.Snapshot) -> None:
+        try:  # the step loop keeps the CPU: the writer (and the threads it starts) only takes what is left
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):  # not Linux, or not allowed
+            pass
         try:
             self._write(req, snapshot)
         except BaseException as exc:  # handed to the main thread in wait()
