@@ -1,10 +1,11 @@
 """Per-step overhead of ember over a raw PyTorch loop, measured side by side.
 
 Tiny MLP (32 -> 64 -> 2), batch 32, SGD, one thread, 3 epochs x 256 steps.
-Runs are interleaved (raw, ember minimal, ember defaults, repeated) so machine
-noise hits all variants alike; the ratio uses the best of the repeats per
-variant (as `timeit` does: noise only ever adds time), and the median is shown
-beside it.
+Runs are interleaved (raw, ember minimal, ember defaults, ember defaults without
+the checkpoint callback, repeated) so machine noise hits all variants alike; the
+ratio uses the best of the repeats per variant (as `timeit` does: noise only ever
+adds time), and the median is shown beside it. Two timings per run: the training
+loop (first batch to last step, the goals' measure) and the whole ``fit`` call.
 
     python benchmarks/overhead.py            # full: 10 repeats
     python benchmarks/overhead.py --short    # CI: 1 repeat of 1 epoch
@@ -87,11 +88,17 @@ def run_raw(epochs: int) -> tuple[float, float]:
     return elapsed, elapsed
 
 
-def run_ember(epochs: int, defaults: bool, root: str) -> tuple[float, float]:
+def run_ember(epochs: int, defaults: bool, root: str, checkpoints: bool = True) -> tuple[float, float]:
     """(whole ``fit`` call, training loop alone) in seconds."""
     clock = LoopClock()
     if defaults:
-        trainer = ember.Trainer(max_epochs=epochs, default_root_dir=root, num_sanity_val_steps=0, callbacks=[clock])
+        trainer = ember.Trainer(
+            max_epochs=epochs,
+            default_root_dir=root,
+            num_sanity_val_steps=0,
+            callbacks=[clock],
+            enable_checkpointing=checkpoints,
+        )
     else:
         trainer = ember.Trainer(
             max_epochs=epochs,
@@ -118,6 +125,7 @@ def main() -> None:
             "raw": lambda: run_raw(epochs),
             "ember minimal": lambda: run_ember(epochs, False, root),
             "ember defaults": lambda: run_ember(epochs, True, root),
+            "defaults, no ckpt": lambda: run_ember(epochs, True, root, checkpoints=False),
         }
         for fn in variants.values():  # warm-up: first-call costs (allocator, imports) out of the timing
             fn()

@@ -7,6 +7,7 @@ The file format lives in `checkpoint.py`, what goes into a checkpoint in
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import sys
@@ -171,10 +172,9 @@ class CheckpointWriter:
         state.write(req.path, snapshot, req.set_last)
 
     def _write_in_background(self, req: _Request, snapshot: state.Snapshot) -> None:
-        try:  # the step loop keeps the CPU: the writer (and the threads it starts) only takes what is left
+        # The step loop keeps the CPU: the writer (and the threads it starts) only takes what is left.
+        with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):  # not Linux, or not allowed
-            pass
         try:
             self._write(req, snapshot)
         except BaseException as exc:  # handed to the main thread in wait()
