@@ -85,6 +85,10 @@ def _underlying(exc: BaseException) -> BaseException:
     return exc
 
 
+#: From this many bytes of tensors per process, a checkpoint is written by several threads.
+_PARALLEL_WRITE_BYTES = 64 * 2**20
+
+
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -135,9 +139,11 @@ def write_checkpoint(
         tmp.mkdir()
     barrier()
     try:
-        # Several files per process, written (and fsynced) by parallel threads: the copy into the page cache
-        # and the flush to disk overlap, which brings a save close to a plain torch.save without fsync.
-        threads = max(1, min(4, os.cpu_count() or 1))
+        # Large states go to several files per process, written (and fsynced) by parallel threads: the copy
+        # into the page cache and the flush to disk overlap, which brings a save close to a plain torch.save
+        # without fsync. Small ones are not worth starting threads for.
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        threads = max(1, min(4, os.cpu_count() or 1)) if size >= _PARALLEL_WRITE_BYTES else 1
         writer = dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True, thread_count=threads)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
