@@ -36,6 +36,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ember
+from benchmarks.overhead import Tiny, make_model  # the same tiny MLP and module as the single-process benchmark
 
 BATCH, STEPS_PER_EPOCH, GOAL = 32, 256, 1.05
 
@@ -44,27 +45,6 @@ def make_data(world_size: int) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     n = BATCH * STEPS_PER_EPOCH * world_size
     return TensorDataset(torch.randn(n, 32, generator=g), torch.randint(0, 2, (n,), generator=g))
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 2))
-
-
-class Tiny(ember.TrainingModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = make_model()
-        self.loss_fn = nn.CrossEntropyLoss()
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = self.loss_fn(self.model(x), y)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 class LoopTimer(ember.Callback):

@@ -17,9 +17,7 @@ one and is itself replaced atomically.
 from __future__ import annotations
 
 import difflib
-import io
 import os
-import pickle
 import shutil
 import warnings
 from collections.abc import Callable
@@ -28,6 +26,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from ember.dcp_metadata import safe_reader, unpickle_metadata
 
 FORMAT_VERSION = 1
 META_FILE = "ember.pt"
@@ -200,54 +200,6 @@ def point_last_at(checkpoint: Path) -> None:
 
 # --- reading ---------------------------------------------------------------------------------
 
-_METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "TensorProperties",
-        "ChunkStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-        "MetadataIndex",
-        "StorageMeta",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "Path"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles torch.distributed.checkpoint metadata and nothing else: no other global resolves."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_CLASSES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
-
-
-def _safe_reader(path: Path) -> Any:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeReader(dcp.FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = read_metadata(Path(self.path))
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(path)
-
 
 def read_metadata(path: Path) -> Any:
     """The checkpoint's tensor metadata, through the restricted unpickler."""
@@ -257,7 +209,7 @@ def read_metadata(path: Path) -> Any:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} is incomplete: {file.name} is missing") from None
     try:
-        return _MetadataUnpickler(io.BytesIO(data)).load()
+        return unpickle_metadata(data)
     except Exception as exc:
         raise CheckpointError(f"checkpoint {path}: {file.name} is corrupt or not a checkpoint ({exc})") from None
 
@@ -311,7 +263,7 @@ def read_tensors(path: Path, keys: Callable[[str], bool] = lambda _k: True) -> d
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load(template, storage_reader=_safe_reader(path), no_dist=True)
+            dcp.load(template, storage_reader=safe_reader(path, read_metadata), no_dist=True)
     except (Exception, CheckpointException) as exc:
         cause = _underlying(exc)
         first_line = (str(cause).strip().splitlines() or [""])[0]

@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import os
 import re
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -269,3 +270,28 @@ def handle_preemption(trainer: Trainer, module: TrainingModule, signum: int) -> 
     if job is not None and trainer.is_global_zero:
         signals.requeue_slurm_job(job)
     raise signals.Preempted(signum)
+
+
+def at_boundary(trainer: Trainer, module: TrainingModule) -> None:
+    """A step or epoch boundary: write pending checkpoints; act on a preemption signal."""
+    received = trainer._preemption.received
+    if trainer.strategy.preemption_requested(received is not None):
+        handle_preemption(trainer, module, received or signal.SIGTERM)
+    if trainer._writer.pending:
+        trainer._writer.flush(trainer, module)
+
+
+def save_stop_point(trainer: Trainer, module: TrainingModule) -> None:
+    """A stop inside an epoch: save ``last`` at this step boundary now, before the epoch-end hooks.
+
+    The epoch-end processing that follows (validation of the final weights,
+    ``on_train_epoch_end``, epoch schedulers, ``epoch += 1``) describes a cut-short
+    epoch; a ModelCheckpoint that has saved this step skips its epoch-end save, so
+    ``fit(ckpt_path="last")`` continues the epoch where it stopped.
+    """
+    from ember.callbacks.model_checkpoint import ModelCheckpoint
+
+    savers = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and not cb.save_weights_only]
+    if savers:
+        savers[0].save_for_preemption(trainer)
+        trainer._writer.flush(trainer, module)

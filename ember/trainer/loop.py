@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ember.trainer.checkpointing import at_boundary, save_stop_point
 from ember.trainer.data import EpochPlan, limited
 from ember.trainer.optimization import optimizer_step, run_training_batch, step_schedulers
 from ember.trainer.resume import (
@@ -77,10 +78,10 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
         if validates and plan.validates_after(batch_idx):
             validate_after(trainer, module, val_loaders, batch_idx)
         if ends_window:
-            trainer._at_boundary()  # pending checkpoints are written here; preemption acts here
+            at_boundary(trainer, module)  # pending checkpoints are written here; preemption acts here
             if trainer._should_stop_in_epoch():
                 if not plan.is_last(batch_idx):  # cut short: `last` must name this step, not the epoch end
-                    trainer._save_stop_point()
+                    save_stop_point(trainer, module)
                 break
     if trainer._window_has_grads:  # a loader without a length ended inside an accumulation window
         optimizer_step(trainer, trainer.optimizers[0])
@@ -95,7 +96,7 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
         step_schedulers(trainer, "epoch")
     progress.epoch += 1
     progress.batch_idx = 0
-    trainer._at_boundary()
+    at_boundary(trainer, module)
 
 
 def open_epoch(trainer: Trainer, loader: Any, start: int) -> Iterator[Any]:

@@ -91,3 +91,20 @@ def given_loggers(trainer: Trainer) -> list[Logger]:
     if isinstance(option, Sequence):
         return [logger for logger in option if isinstance(logger, Logger)]
     return []
+
+
+def record_hyperparameters(trainer: Trainer, module: TrainingModule) -> None:
+    """Write the resolved config to ``config.yaml`` and give the loggers the run's hyperparameters."""
+    if not trainer.is_global_zero:
+        return
+    if trainer.run_config is not None:
+        from omegaconf import OmegaConf
+
+        from ember.loggers.csv import write_atomic
+
+        trainer.run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(trainer.run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(trainer.run_config)))
+    params = trainer.run_config if trainer.run_config is not None else dict(module.hparams)
+    if params:
+        for logger in trainer.loggers:
+            logger.log_hyperparams(params)

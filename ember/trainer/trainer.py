@@ -290,8 +290,10 @@ class Trainer:
             self.num_val_batches = [num_batches(v, self.limit_val_batches, "limit_val_batches") for v in val]
             self._setup_optimizers(module)
             if self._ckpt is not None:
-                self._resume_from(module, self._ckpt)
-            self._record_hyperparameters(module)
+                self._resume_state = checkpointing.resume(self, module, self._ckpt)
+            from ember.trainer.setup import record_hyperparameters  # loaded with the run, as in _run
+
+            record_hyperparameters(self, module)
             self._clock = loop.Clock(self.max_time_s)
             if self.epoch_plan.num_batches == 0:
                 return  # limit_train_batches=0 disables training
@@ -448,49 +450,6 @@ class Trainer:
         if not self._in_train_loop:
             self._writer.flush(self, self._module)
         return Path(path)
-
-    def _at_boundary(self) -> None:
-        """A step or epoch boundary: write pending checkpoints; act on a preemption signal."""
-        assert self._module is not None
-        if self.strategy.preemption_requested(self._preemption.received is not None):
-            checkpointing.handle_preemption(self, self._module, self._preemption.received or signal.SIGTERM)
-        if self._writer.pending:
-            self._writer.flush(self, self._module)
-
-    def _save_stop_point(self) -> None:
-        """A stop inside an epoch: save ``last`` at this step boundary now, before the epoch-end hooks.
-
-        The epoch-end processing that follows (validation of the final weights,
-        ``on_train_epoch_end``, epoch schedulers, ``epoch += 1``) describes a cut-short
-        epoch; a ModelCheckpoint that has saved this step skips its epoch-end save, so
-        ``fit(ckpt_path="last")`` continues the epoch where it stopped.
-        """
-        from ember.callbacks.model_checkpoint import ModelCheckpoint
-
-        assert self._module is not None
-        savers = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint) and not cb.save_weights_only]
-        if savers:
-            savers[0].save_for_preemption(self)
-            self._writer.flush(self, self._module)
-
-    def _resume_from(self, module: TrainingModule, path: Path) -> None:
-        self._resume_state = checkpointing.resume(self, module, path)
-
-    def _record_hyperparameters(self, module: TrainingModule) -> None:
-        """Write the resolved config to ``config.yaml`` and give the loggers the run's hyperparameters."""
-        if not self.is_global_zero:
-            return
-        if self.run_config is not None:
-            from omegaconf import OmegaConf
-
-            from ember.loggers.csv import write_atomic
-
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(self.run_config)))
-        params = self.run_config if self.run_config is not None else dict(module.hparams)
-        if params:
-            for logger in self.loggers:
-                logger.log_hyperparams(params)
 
     def _setup_optimizers(self, module: TrainingModule) -> None:
         setup = parse_optimizers(module.configure_optimizers())
