@@ -75,6 +75,10 @@ class CallbackList:
             )
             self._table[name] = fns
 
+    def implemented(self, name: str) -> bool:
+        """Whether the module or any callback implements hook `name`."""
+        return bool(self._table[name])
+
     def _call(self, name: str, *args: Any) -> None:
         for fn in self._table[name]:
             fn(*args)

@@ -110,7 +110,8 @@ class MetricCollector:
     step_values: dict[str, Tensor] = field(default_factory=dict)
     prog_bar_names: set[str] = field(default_factory=set)
     _entries: dict[str, _Entry] = field(default_factory=dict)
-    _batch_size: int | None = None
+    _batch_size: int = 1
+    _sized_batch: Any = None
 
     def start_epoch(self, stage: str) -> None:
         """Forget everything logged so far and start collecting for `stage`."""
@@ -118,16 +119,16 @@ class MetricCollector:
         self.suffix = ""
         self.step_values = {}
         self._entries = {}
+        self._sized_batch = None
 
     def start_batch(self, batch: Any) -> None:
+        """Make `batch` the one batch sizes are inferred from (setting ``current_batch`` does the same)."""
         self.current_batch = batch
-        self._batch_size = None
 
     def log(
         self,
         name: str,
         value: Any,
-        *,
         on_step: bool | None,
         on_epoch: bool | None,
         prog_bar: bool,
@@ -135,39 +136,53 @@ class MetricCollector:
         sync_dist: bool,
         batch_size: int | None,
     ) -> None:
-        is_train = self.stage == "train"
-        on_step = is_train if on_step is None else on_step
-        on_epoch = (not is_train) if on_epoch is None else on_epoch
+        """Record `value` under `name` (the arguments of `TrainingModule.log`, in its order)."""
+        if on_step is None:
+            on_step = self.stage == "train"
+        if on_epoch is None:
+            on_epoch = self.stage != "train"
         key = name + self.suffix
         entry = self._entries.get(key)
         if entry is None:
-            if reduce_fx not in REDUCE_FX:
-                raise ValueError(f"self.log({name!r}): reduce_fx={reduce_fx!r} is not one of {REDUCE_FX}")
-            entry = self._entries[key] = _Entry(on_step, on_epoch, prog_bar, reduce_fx, sync_dist)
-            if prog_bar:
-                both = on_step and on_epoch
-                for tag in ("_step", "_epoch") if both else ("",):
-                    self.prog_bar_names.add(_insert_before_suffix(key, tag, self.suffix))
-        if not isinstance(value, Tensor) and _is_metric(value):
+            entry = self._new_entry(name, key, on_step, on_epoch, prog_bar, reduce_fx, sync_dist)
+        if type(value) is Tensor and value.ndim == 0:  # the common case: a scalar tensor, nothing to check
+            tensor = value
+        elif not isinstance(value, Tensor) and _is_metric(value):
             entry.metric = value
             step_value = value._forward_cache if on_step else None
             if isinstance(step_value, Tensor) and step_value.ndim == 0:
                 self._set_step(key, step_value, on_epoch)
             return
-        tensor = _as_scalar_tensor(name, value)
+        else:
+            tensor = _as_scalar_tensor(name, value)
         if on_step:
-            self._set_step(key, tensor.detach(), on_epoch)
+            self.step_values[key if not on_epoch else _insert_before_suffix(key, "_step", self.suffix)] = (
+                tensor.detach()
+            )
         if on_epoch:
             if batch_size is None:
                 batch_size = self._current_batch_size()
             entry.accumulate(tensor, batch_size)
 
+    def _new_entry(
+        self, name: str, key: str, on_step: bool, on_epoch: bool, prog_bar: bool, reduce_fx: str, sync_dist: bool
+    ) -> _Entry:
+        if reduce_fx not in REDUCE_FX:
+            raise ValueError(f"self.log({name!r}): reduce_fx={reduce_fx!r} is not one of {REDUCE_FX}")
+        entry = self._entries[key] = _Entry(on_step, on_epoch, prog_bar, reduce_fx, sync_dist)
+        if prog_bar:
+            both = on_step and on_epoch
+            for tag in ("_step", "_epoch") if both else ("",):
+                self.prog_bar_names.add(_insert_before_suffix(key, tag, self.suffix))
+        return entry
+
     def _set_step(self, key: str, value: Tensor, also_epoch: bool) -> None:
         self.step_values[_insert_before_suffix(key, "_step", self.suffix) if also_epoch else key] = value
 
     def _current_batch_size(self) -> int:
-        if self._batch_size is None:
-            self._batch_size = infer_batch_size(self.current_batch)
+        batch = self.current_batch
+        if self._sized_batch is not batch:  # inferred once per batch
+            self._batch_size, self._sized_batch = infer_batch_size(batch), batch
         return self._batch_size
 
     def state_dict(self) -> dict[str, Any]:

@@ -198,16 +198,7 @@ class TrainingModule(nn.Module):
                 warnings.warn(f"self.log({name!r}) outside a Trainer is ignored", RuntimeWarning, stacklevel=2)
                 self._warned_no_trainer = True
             return
-        self._trainer.collector.log(
-            name,
-            value,
-            on_step=on_step,
-            on_epoch=on_epoch,
-            prog_bar=prog_bar,
-            reduce_fx=reduce_fx,
-            sync_dist=sync_dist,
-            batch_size=batch_size,
-        )
+        self._trainer.collector.log(name, value, on_step, on_epoch, prog_bar, reduce_fx, sync_dist, batch_size)
 
     def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:
         """Call `log` for every item of `values` with the same options."""

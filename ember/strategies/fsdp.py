@@ -117,7 +117,7 @@ class FSDPStrategy(ParallelStrategy):
                 reset = getattr(sub, "reset_parameters", None)
                 if callable(reset):
                     reset()
-        self._batches_stay = self.root_device.type == "cpu" and self.precision.cast_dtype is None
+        self.batches_stay_put = self.root_device.type == "cpu" and self.precision.cast_dtype is None
         self._module = module
         return module
 

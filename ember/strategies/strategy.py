@@ -18,6 +18,10 @@ from ember.strategies.precision import Precision
 
 _NULL_CONTEXT = contextlib.nullcontext()  # stateless and reusable
 
+#: What a training step goes through, in `Strategy` and in `Precision` (see `Strategy.runs_plain_steps`).
+_STEP_METHODS = ("training_step", "no_sync", "forward_context", "backward", "optimizer_step", "preemption_requested")
+_PRECISION_STEP_METHODS = ("forward_context", "scale_loss", "unscale_gradients", "optimizer_step")
+
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch to `device`; other values pass through."""
@@ -38,8 +42,8 @@ class Strategy:
     def __init__(self, device: torch.device | str = "cpu", precision: Precision | None = None) -> None:
         self.root_device = torch.device(device)
         self.precision = precision or Precision()
-        # DataLoaders yield CPU tensors already: on the CPU in fp32 a batch needs no walk at all.
-        self._batches_stay = self.root_device.type == "cpu" and self.precision.cast_dtype is None
+        #: DataLoaders yield CPU tensors already: on the CPU in fp32 a batch needs no walk at all.
+        self.batches_stay_put = self.root_device.type == "cpu" and self.precision.cast_dtype is None
 
     # --- topology -----------------------------------------------------------
     @property
@@ -58,11 +62,11 @@ class Strategy:
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move, cast (true precisions) and, in subclasses, wrap the module; returns what the loops call."""
         self.precision.setup(self.root_device)
-        self._batches_stay = self.root_device.type == "cpu" and self.precision.cast_dtype is None
+        self.batches_stay_put = self.root_device.type == "cpu" and self.precision.cast_dtype is None
         return self.precision.convert_module(module.to(self.root_device))
 
     def batch_to_device(self, batch: Any) -> Any:
-        if self._batches_stay:
+        if self.batches_stay_put:
             return batch
         return self.precision.convert_batch(move_to_device(batch, self.root_device))
 
@@ -70,6 +74,17 @@ class Strategy:
     def training_step(self, module: nn.Module, batch: Any, batch_idx: int) -> Any:
         """Run the module's ``training_step`` (DDP runs it inside its forward)."""
         return module.training_step(batch, batch_idx)  # type: ignore[operator]
+
+    def runs_plain_steps(self) -> bool:
+        """Whether a training step here is only ``training_step``, ``backward()`` and ``optimizer.step()``.
+
+        True when neither this strategy nor its precision plugin changes any of
+        the step methods: one process, no wrapper, gradient sync, autocast or
+        loss scaling. The training loop may then take its plain path.
+        """
+        strategy_same = all(getattr(type(self), name) is getattr(Strategy, name) for name in _STEP_METHODS)
+        precision = type(self.precision)
+        return strategy_same and all(getattr(precision, n) is getattr(Precision, n) for n in _PRECISION_STEP_METHODS)
 
     def distribute_loader(self, loader: Any, training: bool) -> Any:
         """The DataLoader this process iterates (multi-process strategies shard it)."""

@@ -14,10 +14,18 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from ember.trainer.checkpointing import at_boundary, save_stop_point
 from ember.trainer.data import EpochPlan, limited
-from ember.trainer.optimization import optimizer_step, run_training_batch, step_schedulers
+from ember.trainer.optimization import (
+    detached,
+    loss_of,
+    optimizer_step,
+    run_training_batch,
+    step_schedulers,
+    steps_are_plain,
+)
 from ember.trainer.resume import (
     capture_epoch_start,
     islice_from,
@@ -63,26 +71,9 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
         collector.start_epoch("train")
         progress.validated_after = -1
     hooks.on_train_epoch_start()
-    batches = open_epoch(trainer, loader, start)
-    for batch_idx, batch in islice_from(batches, start, plan.num_batches):
-        batch = trainer.strategy.batch_to_device(batch)
-        collector.start_batch(batch)
-        hooks.on_train_batch_start(batch, batch_idx)
-        steps_before = progress.global_step
-        ends_window = plan.ends_window(batch_idx)
-        outputs = run_training_batch(trainer, module, batch, batch_idx, plan.window_size(batch_idx), ends_window)
-        progress.batch_idx = batch_idx + 1
-        if progress.global_step != steps_before and progress.global_step % trainer.log_every_n_steps == 0:
-            trainer._log_metrics(trainer._step_metrics())
-        hooks.on_train_batch_end(outputs, batch, batch_idx)
-        if validates and plan.validates_after(batch_idx):
-            validate_after(trainer, module, val_loaders, batch_idx)
-        if ends_window:
-            at_boundary(trainer, module)  # pending checkpoints are written here; preemption acts here
-            if trainer._should_stop_in_epoch():
-                if not plan.is_last(batch_idx):  # cut short: `last` must name this step, not the epoch end
-                    save_stop_point(trainer, module)
-                break
+    batches = islice_from(open_epoch(trainer, loader, start), start, plan.num_batches)
+    plain = steps_are_plain(trainer, module)  # decided after the epoch-start hooks, which may change the options
+    (run_plain_batches if plain else run_batches)(trainer, module, batches, val_loaders if validates else None)
     if trainer._window_has_grads:  # a loader without a length ended inside an accumulation window
         optimizer_step(trainer, trainer.optimizers[0])
     last = progress.batch_idx - 1
@@ -97,6 +88,80 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
     progress.epoch += 1
     progress.batch_idx = 0
     at_boundary(trainer, module)
+
+
+def run_batches(trainer: Trainer, module: TrainingModule, batches: Any, val_loaders: list[Any] | None) -> None:
+    """An epoch's training batches, with every hook and option. `val_loaders` is None when it does not validate."""
+    hooks, progress, collector, plan = trainer.hooks, trainer.progress, trainer.train_collector, trainer.epoch_plan
+    to_device, log_every = trainer.strategy.batch_to_device, trainer.log_every_n_steps
+    wants_outputs = hooks.implemented("on_train_batch_end")
+    for batch_idx, batch in batches:
+        batch = to_device(batch)
+        collector.current_batch = batch
+        hooks.on_train_batch_start(batch, batch_idx)
+        steps_before = progress.global_step
+        ends_window = plan.ends_window(batch_idx)
+        output = run_training_batch(trainer, module, batch, batch_idx, plan.window_size(batch_idx), ends_window)
+        progress.batch_idx = batch_idx + 1
+        if progress.global_step != steps_before and progress.global_step % log_every == 0:
+            trainer._log_metrics(trainer._step_metrics())
+        hooks.on_train_batch_end(detached(output) if wants_outputs else None, batch, batch_idx)
+        if val_loaders is not None and plan.validates_after(batch_idx):
+            validate_after(trainer, module, val_loaders, batch_idx)
+        if ends_window:
+            at_boundary(trainer, module)  # pending checkpoints are written here; preemption acts here
+            if trainer._should_stop_in_epoch():
+                if not plan.is_last(batch_idx):  # cut short: `last` must name this step, not the epoch end
+                    save_stop_point(trainer, module)
+                break
+
+
+def run_plain_batches(trainer: Trainer, module: TrainingModule, batches: Any, val_loaders: list[Any] | None) -> None:
+    """`run_batches` when `steps_are_plain`.
+
+    The same work in the same order, without the calls that would all be
+    no-ops: each batch is its hooks, one ``training_step``, ``backward()``,
+    ``step()`` and ``zero_grad()``. Equivalence with `run_batches` is pinned by
+    tests/unit/trainer/test_plain_loop.py.
+    """
+    hooks, progress, collector, plan = trainer.hooks, trainer.progress, trainer.train_collector, trainer.epoch_plan
+    starts, ends = hooks.implemented("on_train_batch_start"), hooks.implemented("on_train_batch_end")
+    strategy, preemption, writer = trainer.strategy, trainer._preemption, trainer._writer
+    to_device = None if strategy.batches_stay_put else strategy.batch_to_device
+    training_step, optimizer, log_every = module.training_step, trainer.optimizers[0], trainer.log_every_n_steps
+    step_schedulers_due = any(config.interval == "step" for config in trainer.lr_scheduler_configs)
+    for batch_idx, batch in batches:
+        if to_device is not None:
+            batch = to_device(batch)
+        collector.current_batch = batch
+        if starts:
+            hooks.on_train_batch_start(batch, batch_idx)
+        output = training_step(batch, batch_idx)
+        loss = output if type(output) is Tensor else loss_of(output)
+        if loss is not None:
+            try:
+                loss.backward()
+            except RuntimeError:
+                loss_of(output)  # a loss that is not a scalar or has no graph: ember's clearer error
+                raise
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress.global_step += 1
+            if step_schedulers_due:
+                step_schedulers(trainer, "step")
+        progress.batch_idx = batch_idx + 1
+        if loss is not None and progress.global_step % log_every == 0:
+            trainer._log_metrics(trainer._step_metrics())
+        if ends:
+            hooks.on_train_batch_end(detached(output), batch, batch_idx)
+        if val_loaders is not None and plan.validates_after(batch_idx):
+            validate_after(trainer, module, val_loaders, batch_idx)
+        if preemption.received is not None or writer.pending:
+            at_boundary(trainer, module)
+        if trainer._should_stop_in_epoch():
+            if not plan.is_last(batch_idx):
+                save_stop_point(trainer, module)
+            break
 
 
 def open_epoch(trainer: Trainer, loader: Any, start: int) -> Iterator[Any]:

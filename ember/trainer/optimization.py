@@ -4,6 +4,9 @@
 precision context, backward (divided by the accumulation window, without
 gradient sync until the window ends), and at the window's end `optimizer_step`:
 unscale, hooks, clip, step, zero_grad, step-interval schedulers.
+
+`steps_are_plain` tells the loop when all of that reduces to ``training_step``,
+``backward()`` and ``optimizer.step()``, so it can skip the no-op indirections.
 """
 
 from __future__ import annotations
@@ -19,21 +22,43 @@ if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
 
+#: Hooks that sit between backward and the optimizer step.
+_STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
+
+
+def steps_are_plain(trainer: Trainer, module: TrainingModule) -> bool:
+    """Whether `run_training_batch` would only run ``training_step``, ``backward()`` and ``step()`` here.
+
+    True with one process, fp32 or a true precision, automatic optimization, no
+    accumulation, clipping or loss guard, and nobody implementing the hooks
+    around backward and the optimizer step: every other part of a step is then
+    a no-op, and the loop may take its plain path (`loop.run_plain_batches`).
+    """
+    return (
+        module.automatic_optimization
+        and trainer.strategy.runs_plain_steps()
+        and trainer._finite_guard.mode is None
+        and trainer.gradient_clip_val is None
+        and trainer.epoch_plan.accumulate == 1
+        and not any(trainer.hooks.implemented(name) for name in _STEP_HOOKS)
+    )
+
+
 def run_training_batch(
     trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int, window_size: int, ends_window: bool
 ) -> Any:
     """Forward and backward one micro-batch; step the optimizer if it ends a window.
 
-    Returns the step's output with the loss detached (None if the step returned None).
+    Returns the step's output as it is (None if the step returned None).
     """
     strategy = trainer.strategy
     if not module.automatic_optimization:
         with strategy.forward_context():
-            return _detached(strategy.training_step(module, batch, batch_idx))
+            return strategy.training_step(module, batch, batch_idx)
     with strategy.no_sync(trainer.model, enabled=not ends_window):
         with strategy.forward_context():
             output = strategy.training_step(module, batch, batch_idx)
-        loss = _loss_of(output)
+        loss = loss_of(output)
         if loss is not None and trainer._finite_guard.mode is not None:
             loss = loss if trainer._finite_guard.admits(loss, trainer.progress.global_step + 1) else None
         if loss is not None:
@@ -41,7 +66,7 @@ def run_training_batch(
             trainer._window_has_grads = True
     if ends_window and trainer._window_has_grads:
         optimizer_step(trainer, trainer.optimizers[0])
-    return _detached(output)
+    return output
 
 
 def backward(trainer: Trainer, loss: Tensor) -> None:
@@ -88,7 +113,8 @@ def step_schedulers(trainer: Trainer, interval: str) -> None:
             config.scheduler.step()  # type: ignore[call-arg]
 
 
-def _loss_of(output: Any) -> Tensor | None:
+def loss_of(output: Any) -> Tensor | None:
+    """The loss in a training step's output (None to skip the step); a clear error for anything else."""
     loss: Any
     if type(output) is Tensor:  # the common case first: an ABC isinstance check costs a microsecond
         loss = output
@@ -114,7 +140,8 @@ def _loss_of(output: Any) -> Tensor | None:
     return loss
 
 
-def _detached(output: Any) -> Any:
+def detached(output: Any) -> Any:
+    """A training step's output for ``on_train_batch_end``: the loss as ``{"loss": ...}``, tensors detached."""
     if isinstance(output, Tensor):
         return {"loss": output.detach()}
     if isinstance(output, Mapping):
