@@ -7,6 +7,7 @@ event is written, so ``import ember`` stays light.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,12 @@ class TensorBoardLogger(Logger):
     metric (written when the run finishes). ``log_histograms_every_n_steps=N``
     also writes histograms of every weight and gradient (before clipping)
     every N optimizer steps.
+
+    Scalars are queued and handed to TensorBoard in one batch at the next
+    `save` (epoch ends, before checkpoints, at the end of the run) or once
+    ``flush_secs`` have passed since the last batch, which is as often as
+    TensorBoard's own writer flushes to disk: a logging step costs one list
+    append, not TensorBoard's per-event work and writer-thread wake-up.
 
     On resume (`load_state_dict`) events after the checkpoint's step are purged,
     so the curves read as if the run had never stopped.
@@ -49,6 +56,8 @@ class TensorBoardLogger(Logger):
         self._hparams: dict[str, Any] | None = None
         self._hparams_written = False
         self._metric_names: dict[str, None] = {}  # insertion-ordered set
+        self._queued: list[tuple[int, float, dict[str, float]]] = []  # (step, wall time, metrics)
+        self._next_write = time.monotonic() + flush_secs
 
     def attach(self, run_dir: Path) -> None:
         """Without ``save_dir``, write into ``<run_dir>/tensorboard``."""
@@ -67,11 +76,21 @@ class TensorBoardLogger(Logger):
         return self._writer
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Add one scalar per metric at `step`."""
+        """Queue one scalar per metric at `step`, stamped with the time of this call."""
+        self._queued.append((step, time.time(), metrics))
+        if time.monotonic() >= self._next_write:
+            self._write_queued()
+
+    def _write_queued(self) -> None:
+        queued, self._queued = self._queued, []
+        self._next_write = time.monotonic() + self.flush_secs
+        if not queued:
+            return
         writer = self.experiment
-        for name, value in metrics.items():
-            writer.add_scalar(name, value, step)
-            self._metric_names[name] = None
+        for step, wall_time, metrics in queued:
+            for name, value in metrics.items():
+                writer.add_scalar(name, value, step, walltime=wall_time)
+                self._metric_names[name] = None
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         """Remember the hyperparameters; they are written with the final metrics when the run finishes."""
@@ -84,12 +103,14 @@ class TensorBoardLogger(Logger):
             writer.add_histogram(name, tensor.detach().float().cpu(), step)
 
     def save(self) -> None:
-        """Flush pending events to disk."""
+        """Write the queued scalars and flush every event to disk."""
+        self._write_queued()
         if self._writer is not None:
             self._writer.flush()
 
     def finalize(self, status: str) -> None:
-        """Write the hyperparameters with the final metrics (once), flush and close the event file."""
+        """Write the queued scalars, the hyperparameters with the final metrics (once), and close the file."""
+        self._write_queued()
         if self._hparams and not self._hparams_written:
             self._write_hparams(self._hparams)
         if self._writer is not None:
@@ -99,6 +120,7 @@ class TensorBoardLogger(Logger):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a run: events logged after ``state["step"]`` are purged when writing resumes."""
         self._purge_step = int(state["step"]) + 1
+        self._queued = [queued for queued in self._queued if queued[0] < self._purge_step]  # the rest is purged
         if self._writer is not None:  # reopen so the purge marker is written
             self._writer.close()
             self._writer = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,50 @@ def test_scalars_read_back_with_their_steps(tmp_path: Path) -> None:
     assert scalars(acc, "train/loss") == [(1, 0.5), (2, 0.25)]
     assert scalars(acc, "val/acc") == [(2, 0.75)]
     logger.finalize("success")
+
+
+def test_scalars_are_queued_until_a_save_or_until_flush_secs_have_passed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("ember.loggers.tensorboard.time.monotonic", lambda: clock[0])
+    logger = TensorBoardLogger(tmp_path, flush_secs=30.0)
+    logger.log_metrics({"train/loss": 0.5}, step=1)
+    assert not list(tmp_path.glob("events.out.tfevents.*"))  # queued: TensorBoard not even opened yet
+    clock[0] += 29.0
+    logger.log_metrics({"train/loss": 0.25}, step=2)
+    assert not list(tmp_path.glob("events.out.tfevents.*"))
+    clock[0] += 1.0  # 30 s after the logger was made: this call hands the queue to TensorBoard
+    logger.log_metrics({"train/loss": 0.125}, step=3)
+    logger.experiment.flush()
+    assert scalars(read(tmp_path), "train/loss") == [(1, 0.5), (2, 0.25), (3, 0.125)]
+    logger.log_metrics({"train/loss": 0.0625}, step=4)  # the next batch waits for another 30 s or a save
+    logger.experiment.flush()
+    assert len(scalars(read(tmp_path), "train/loss")) == 3
+    logger.save()
+    assert [step for step, _ in scalars(read(tmp_path), "train/loss")] == [1, 2, 3, 4]
+    logger.finalize("success")
+
+
+def test_queued_scalars_keep_the_wall_time_of_their_logging_call(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path)
+    before = time.time()
+    logger.log_metrics({"a": 1.0}, step=1)
+    after = time.time()
+    time.sleep(0.05)
+    logger.finalize("success")
+    (event,) = read(tmp_path).Scalars("a")
+    assert before <= event.wall_time <= after
+
+
+def test_a_resume_drops_queued_scalars_past_the_checkpoint(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path)
+    for step in (1, 2, 3, 4):
+        logger.log_metrics({"a": float(step)}, step=step)
+    logger.load_state_dict({"step": 2})  # resuming from a checkpoint taken at step 2
+    logger.log_metrics({"a": 30.0}, step=3)
+    logger.finalize("success")
+    assert scalars(read(tmp_path), "a") == [(1, 1.0), (2, 2.0), (3, 30.0)]
 
 
 def test_attached_logger_writes_into_run_dir_tensorboard(tmp_path: Path) -> None:
