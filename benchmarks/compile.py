@@ -2,13 +2,17 @@
 
     python benchmarks/compile.py [--short]
 
-Both compile the same MLP with `nn.Module.compile()` and run the same steps in this process;
-the first epoch is warm-up (compilation) and is not timed. Goals: ratio <= 1.03, 0 recompiles.
+Both compile the same MLP and run the same steps in this process, in
+alternating epochs: each ember epoch is preceded by one raw epoch (run from the ember epoch-start
+hook, outside the ember epoch's timing), so machine noise hits both alike. The first epoch of each is
+warm-up (compilation) and is not timed; the ratio is the median of the per-epoch ratios.
+Goals: ratio <= 1.03, 0 recompiles.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,23 +45,24 @@ def graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def raw(epochs: int) -> tuple[float, int]:
-    model, loader, loss_fn = make_model(), make_loader(), nn.CrossEntropyLoss()
-    model.compile()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    timed, after_warmup = 0.0, 0
-    for epoch in range(epochs):
+class RawLoop:
+    """The hand-compiled raw loop, one epoch per call."""
+
+    def __init__(self) -> None:
+        self.model, self.loader, self.loss_fn = make_model(), make_loader(), nn.CrossEntropyLoss()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        # torch.compile(model), as a raw loop writes it: `model.compile()` on a torch.nn container is a no-op in
+        # torch 2.13 (dynamo skips frames inside torch.nn), so it would time an eager model.
+        self.compiled = torch.compile(self.model)
+
+    def epoch(self) -> float:
         start = time.perf_counter()
-        for x, y in loader:
-            loss = loss_fn(model(x), y)
+        for x, y in self.loader:
+            loss = self.loss_fn(self.compiled(x), y)
             loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        if epoch == 0:
-            after_warmup = graphs()
-        else:
-            timed += time.perf_counter() - start
-    return timed, graphs() - after_warmup
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
 
 
 class Net(ember.TrainingModule):
@@ -70,28 +75,34 @@ class Net(ember.TrainingModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-class EpochClock(ember.Callback):
-    def __init__(self) -> None:
-        self.start, self.timed, self.after_warmup = 0.0, 0.0, 0
+class Alternate(ember.Callback):
+    """Runs one raw epoch before each ember epoch and times both; counts graphs after the warm-up epoch."""
+
+    def __init__(self, raw: RawLoop) -> None:
+        self.raw, self.start = raw, 0.0
+        self.raw_times: list[float] = []
+        self.ember_times: list[float] = []
+        self.after_warmup = 0
 
     def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+        self.raw_times.append(self.raw.epoch())
         self.start = time.perf_counter()
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        self.ember_times.append(time.perf_counter() - self.start)
         if trainer.current_epoch == 0:
             self.after_warmup = graphs()
-        else:
-            self.timed += time.perf_counter() - self.start
 
 
-def with_ember(epochs: int) -> tuple[float, int]:
-    clock = EpochClock()
+def run(epochs: int) -> tuple[list[float], list[float], int, int]:
+    """(raw epoch times, ember epoch times) after warm-up; graphs compiled in and after the warm-up."""
+    clock = Alternate(RawLoop())
     trainer = ember.Trainer(
         max_epochs=epochs, compile=True, callbacks=[clock], logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False,
     )
     trainer.fit(Net(), make_loader())
-    return clock.timed, graphs() - clock.after_warmup
+    return clock.raw_times[1:], clock.ember_times[1:], clock.after_warmup, graphs() - clock.after_warmup
 
 
 def main() -> None:
@@ -99,15 +110,17 @@ def main() -> None:
     parser.add_argument("--short", action="store_true", help="2 epochs (1 timed) for CI")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    epochs = 2 if args.short else 4
-    raw_s, raw_recompiles = raw(epochs)
-    ember_s, ember_recompiles = with_ember(epochs)
+    epochs = 2 if args.short else 8
+    raw_times, ember_times, warmup_graphs, recompiles = run(epochs)
     steps = (epochs - 1) * STEPS
-    ratio = ember_s / raw_s
-    print(f"{steps} timed steps after warm-up: raw compiled {raw_s / steps * 1e3:.3f} ms/step, "
-          f"ember compile=True {ember_s / steps * 1e3:.3f} ms/step, ratio x{ratio:.3f}")
-    print(f"graphs compiled after warm-up: raw {raw_recompiles}, ember {ember_recompiles}")
-    ok = ratio <= 1.03 and ember_recompiles == 0
+    ratio = statistics.median(e / r for e, r in zip(ember_times, raw_times, strict=True))
+    print(
+        f"{steps} timed steps each after warm-up: raw compiled {sum(raw_times) / steps * 1e3:.3f} ms/step, "
+        f"ember compile=True {sum(ember_times) / steps * 1e3:.3f} ms/step, median epoch ratio x{ratio:.3f}"
+    )
+    print(f"graphs compiled by raw and ember together: {warmup_graphs} in the warm-up, {recompiles} after it")
+    ember_recompiles = recompiles
+    ok = ratio <= 1.03 and ember_recompiles == 0 and warmup_graphs >= 2  # both really compiled
     print(
         f"verdict: {'meets' if ok else 'misses'} the goals (ratio x{ratio:.3f} <= 1.03, "
         f"{ember_recompiles} recompiles after warm-up, goal 0)"
