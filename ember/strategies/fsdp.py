@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 
 from ember.strategies.parallel import ParallelStrategy
 from ember.strategies.precision import Precision
+from ember.strategies.strategy import compile_in_place
 
 
 def repeated_block_classes(module: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -71,6 +72,7 @@ class FSDPStrategy(ParallelStrategy):
         self.activation_checkpointing = tuple(activation_checkpointing)
         self.replicate_degree = replicate_degree
         self._module: nn.Module | None = None
+        self._blocks: list[nn.Module] = []  # the submodules sharded on their own (compiled one by one)
 
     def _mesh(self) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
@@ -107,9 +109,9 @@ class FSDPStrategy(ParallelStrategy):
         for sub in list(module.modules()):
             if sub is not module and isinstance(sub, self.activation_checkpointing):
                 checkpoint(sub)
-        for sub in list(module.modules()):
-            if sub is not module and isinstance(sub, classes):
-                fully_shard(sub, **options)
+        self._blocks = [sub for sub in module.modules() if sub is not module and isinstance(sub, classes)]
+        for sub in self._blocks:
+            fully_shard(sub, **options)
         fully_shard(module, **options)
         if build_on_meta:
             module.to_empty(device="cpu" if self.cpu_offload else self.root_device)
@@ -120,6 +122,13 @@ class FSDPStrategy(ParallelStrategy):
         self.batches_stay_put = self.root_device.type == "cpu" and self.precision.cast_dtype is None
         self._module = module
         return module
+
+    def compile_module(self, module: nn.Module, options: dict[str, Any]) -> None:
+        """Compile each sharded block in place, one graph per block class; without blocks, as on one device."""
+        if not self._blocks:
+            super().compile_module(module, options)
+        for block in self._blocks:
+            compile_in_place(block, options)
 
     @contextlib.contextmanager
     def eval_context(self) -> Iterator[None]:

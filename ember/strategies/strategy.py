@@ -7,6 +7,7 @@ single-device strategy exists so far.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +35,33 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(move_to_device(v, device) for v in batch)
     return batch
+
+
+def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return module._call_impl(*args, **kwargs)
+
+
+def compile_in_place(module: nn.Module, options: dict[str, Any]) -> None:
+    """What `nn.Module.compile` does: calls of `module` run compiled, its ``state_dict`` keys do not change.
+
+    The compiled function's first frame is in this file. `nn.Module.compile` compiles
+    ``module._call_impl`` itself, a frame inside torch.nn, and torch 2.13 skips those:
+    ``nn.Sequential(...).compile()`` compiles nothing.
+    """
+    module._compiled_call_impl = torch.compile(functools.partial(_call_module, module), **options)
+
+
+def compile_target(module: nn.Module) -> nn.Module:
+    """``module.model`` when `module` keeps `TrainingModule`'s default ``forward`` (which only calls it), else `module`.
+
+    Compiling the model rather than the module makes steps that call ``self.model(x)`` run compiled too.
+    """
+    from ember.modules.module import TrainingModule
+
+    model = module._modules.get("model")
+    if isinstance(module, TrainingModule) and type(module).forward is TrainingModule.forward and model is not None:
+        return model
+    return module
 
 
 class Strategy:
@@ -64,6 +92,10 @@ class Strategy:
         self.precision.setup(self.root_device)
         self.batches_stay_put = self.root_device.type == "cpu" and self.precision.cast_dtype is None
         return self.precision.convert_module(module.to(self.root_device))
+
+    def compile_module(self, module: nn.Module, options: dict[str, Any]) -> None:
+        """``Trainer(compile=...)``: compile `compile_target(module)` in place (FSDP compiles per block)."""
+        compile_in_place(compile_target(module), options)
 
     def batch_to_device(self, batch: Any) -> Any:
         if self.batches_stay_put:

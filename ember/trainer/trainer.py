@@ -390,7 +390,7 @@ class Trainer:
         module._trainer = self
         self._model = self.strategy.setup_module(module)
         if self.compile_options is not None and not getattr(module, "_ember_compiled", False):
-            module.compile(**self.compile_options)  # in place: state_dict keys stay clean
+            self.strategy.compile_module(module, self.compile_options)  # in place: state_dict keys stay clean
             module._ember_compiled = True
         if self.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -32,6 +32,56 @@ dist_workload.async_job(Path(sys.argv[1]))
 """
 
 
+COMPILE_SCRIPT = """\
+import sys
+from pathlib import Path
+
+import torch
+from torch._dynamo.utils import counters
+from torch.utils.data import DataLoader
+
+import dist_workload as W
+import ember
+
+
+def fit(strategy, compile_):
+    torch.manual_seed(0)
+    module = W.Net()
+    trainer = ember.Trainer(
+        max_epochs=2, strategy=strategy, devices=2, compile=compile_, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+    )
+    trainer.fit(module, DataLoader(W.train_set(64), batch_size=8))
+    return module
+
+
+for name, make in (("ddp", W.ddp), ("fsdp", W.fsdp)):
+    torch._dynamo.reset()
+    counters.clear()
+    eager, compiled = fit(make(), False), fit(make(), True)
+    W.save_result(Path(sys.argv[1]), f"compile_{name}", {
+        "eager": eager.losses,
+        "compiled": compiled.losses,
+        "graphs": counters["stats"]["unique_graphs"],
+        "compiled_modules": [n for n, m in compiled.named_modules() if m._compiled_call_impl is not None],
+    })
+"""
+
+
+@pytest.mark.slow
+def test_compile_under_ddp_compiles_the_model_and_under_fsdp_each_sharded_block(tmp_path) -> None:
+    script = harness.write_script(tmp_path, COMPILE_SCRIPT)
+    job = harness.run(harness.torchrun(script, "out"), tmp_path, timeout=300)
+    expected = {"ddp": ["model"], "fsdp": ["model.1", "model.2"]}  # FSDP: the two Blocks, not the root
+    for name, compiled_modules in expected.items():
+        for result in harness.results(tmp_path / "out", f"compile_{name}", 2, job):
+            assert result["compiled_modules"] == compiled_modules, name
+            assert result["graphs"] >= 1, name
+            assert len(result["compiled"]) == len(result["eager"]) == 8  # 64 samples, 2 ranks, batch 8, 2 epochs
+            torch.testing.assert_close(torch.tensor(result["compiled"]), torch.tensor(result["eager"]))
+    assert job.returncode == 0, harness.describe(job)
+
+
 def test_fsdp_losses_match_ddp(main_job, single) -> None:
     fsdp, ddp = main_job.results("fsdp_seq"), main_job.results("ddp_seq")
     for rank in range(2):

@@ -57,14 +57,14 @@ def test_compile_in_place_without_recompiles_and_loadable_uncompiled(tmp_path: P
     )
     module = Net()
     trainer.fit(module, loader(), loader())
-    assert module._compiled_call_impl is not None  # compiled in place
+    assert module.model._compiled_call_impl is not None  # default forward: the model is compiled, in place
     # Epoch 1 compiles the train and the eval graphs; later epochs reuse them.
     assert counter.per_epoch[0] >= 2
     assert counter.per_epoch == [counter.per_epoch[0]] * 3
 
     last = tmp_path / "ckpt" / (tmp_path / "ckpt" / "last").read_text().strip()
     plain = Net.load_from_checkpoint(last)
-    assert plain._compiled_call_impl is None
+    assert plain.model._compiled_call_impl is None
     assert list(plain.state_dict()) == list(Net().state_dict())
     for a, b in zip(plain.parameters(), module.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -77,3 +77,38 @@ def test_compile_options_are_checked() -> None:
         ember.Trainer(compile={"mode": "fast"})
     with pytest.raises(TypeError, match="compile must be"):
         ember.Trainer(compile="yes")  # type: ignore[arg-type]
+
+
+class DirectCall(Net):
+    """Calls ``self.model`` in its step instead of ``self(x)``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self.loss_fn(self.model(x), y)
+
+
+class CustomForward(Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x) * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("cls", "compiled"), [(DirectCall, "model"), (CustomForward, "module")])
+def test_compile_reaches_steps_that_call_the_model_and_custom_forwards(cls: type[Net], compiled: str) -> None:
+    """A torch.nn container as ``self.model`` is compiled too (its own ``.compile()`` compiles nothing)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    module, eager = cls(), cls()
+    eager.load_state_dict(module.state_dict())
+    for m in (module, eager):
+        m.model[1].p = 0.0  # compiled dropout draws other masks: compare without it
+    options = {"max_epochs": 1, "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+    ember.Trainer(compile=True, enable_checkpointing=False, **options).fit(module, loader())
+    assert counters["stats"]["unique_graphs"] >= 1  # the step ran compiled code
+    assert (module.model._compiled_call_impl is not None) == (compiled == "model")
+    assert (module._compiled_call_impl is not None) == (compiled == "module")
+    ember.Trainer(enable_checkpointing=False, **options).fit(eager, loader())
+    for a, b in zip(module.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a, b)  # compiled training matches eager training
