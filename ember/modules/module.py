@@ -193,12 +193,13 @@ class TrainingModule(nn.Module):
         the values appear as ``name_step`` and ``name_epoch``. Values stay
         tensors; nothing here waits for the device.
         """
-        if self._trainer is None:
+        trainer = self._trainer
+        if trainer is None:
             if not self._warned_no_trainer:
                 warnings.warn(f"self.log({name!r}) outside a Trainer is ignored", RuntimeWarning, stacklevel=2)
                 self._warned_no_trainer = True
             return
-        self._trainer.collector.log(name, value, on_step, on_epoch, prog_bar, reduce_fx, sync_dist, batch_size)
+        trainer.collector.log(name, value, on_step, on_epoch, prog_bar, reduce_fx, sync_dist, batch_size)
 
     def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:
         """Call `log` for every item of `values` with the same options."""

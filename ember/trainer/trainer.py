@@ -471,11 +471,12 @@ class Trainer:
         module._manual_backward_fn = lambda loss: backward(self, loss)
 
     # --- used by the loops ---------------------------------------------------------
-    def _max_steps_reached(self) -> bool:
-        return 0 <= self.max_steps <= self.progress.global_step
-
     def _should_stop_in_epoch(self) -> bool:
-        return self.should_stop or self._max_steps_reached() or (self.max_time_s is not None and self._clock.expired())
+        return (
+            self.should_stop
+            or 0 <= self.max_steps <= self.progress.global_step
+            or (self.max_time_s is not None and self._clock.expired())
+        )
 
     def _fit_is_done(self) -> bool:
         epochs_done = self.max_epochs is not None and self.progress.epoch >= self.max_epochs
