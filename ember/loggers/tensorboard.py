@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
 
+#: Logging calls queued at most before they are handed to TensorBoard (bounds the queue's memory).
+MAX_QUEUED = 1000
+
+
 class TensorBoardLogger(Logger):
     """Writes TensorBoard event files: one scalar per metric per logging step.
 
@@ -30,10 +34,11 @@ class TensorBoardLogger(Logger):
     every N optimizer steps.
 
     Scalars are queued and handed to TensorBoard in one batch at the next
-    `save` (epoch ends, before checkpoints, at the end of the run) or once
-    ``flush_secs`` have passed since the last batch, which is as often as
-    TensorBoard's own writer flushes to disk: a logging step costs one list
-    append, not TensorBoard's per-event work and writer-thread wake-up.
+    `save` (epoch ends, before checkpoints, at the end of the run), once
+    ``flush_secs`` have passed since the last batch (as often as TensorBoard's
+    own writer reaches the disk), or at `MAX_QUEUED` queued calls. A logging
+    step costs one list append, not TensorBoard's per-event work and
+    writer-thread wake-up.
 
     On resume (`load_state_dict`) events after the checkpoint's step are purged,
     so the curves read as if the run had never stopped.
@@ -78,7 +83,7 @@ class TensorBoardLogger(Logger):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Queue one scalar per metric at `step`, stamped with the time of this call."""
         self._queued.append((step, time.time(), metrics))
-        if time.monotonic() >= self._next_write:
+        if len(self._queued) >= MAX_QUEUED or time.monotonic() >= self._next_write:
             self._write_queued()
 
     def _write_queued(self) -> None:

@@ -59,6 +59,19 @@ def test_scalars_are_queued_until_a_save_or_until_flush_secs_have_passed(
     logger.finalize("success")
 
 
+def test_a_full_queue_is_written_without_waiting_for_flush_secs(tmp_path: Path) -> None:
+    from ember.loggers.tensorboard import MAX_QUEUED
+
+    logger = TensorBoardLogger(tmp_path, flush_secs=3600.0)
+    for step in range(1, MAX_QUEUED):
+        logger.log_metrics({"a": float(step)}, step=step)
+    assert not list(tmp_path.glob("events.out.tfevents.*"))
+    logger.log_metrics({"a": float(MAX_QUEUED)}, step=MAX_QUEUED)  # the queue is full: written now
+    logger.experiment.flush()
+    assert len(scalars(read(tmp_path), "a")) == MAX_QUEUED
+    logger.finalize("success")
+
+
 def test_queued_scalars_keep_the_wall_time_of_their_logging_call(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path)
     before = time.time()
