@@ -124,7 +124,7 @@ class FSDPStrategy(ParallelStrategy):
         return module
 
     def compile_module(self, module: nn.Module, options: dict[str, Any]) -> None:
-        """Compile each sharded block in place, one graph per block class; without blocks, as on one device."""
+        """Compile each sharded block in place (not the root); without repeated blocks, as on one device."""
         if not self._blocks:
             super().compile_module(module, options)
         for block in self._blocks:
