@@ -2,7 +2,8 @@
 
 Tiny MLP (32 -> 64 -> 2), batch 32, SGD, one thread, 3 epochs x 256 steps.
 Runs are interleaved (raw, ember minimal, ember defaults, ember defaults without
-the checkpoint callback, repeated, the order rotating each round) so machine noise
+the checkpoint callback, ember minimal without the step's ``self.log`` call (what
+the loop alone costs), repeated, the order rotating each round) so machine noise
 hits all variants alike. Two estimates of each ratio are shown: best / best over
 the repeats (noise only ever adds time, as `timeit` assumes) and the median of
 the per-round ratios, each run against the raw run of its own round (slow drift
@@ -64,6 +65,15 @@ class Tiny(ember.TrainingModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+class TinyNoLog(Tiny):
+    """`Tiny` without its ``self.log`` call: what the loop itself costs."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss: torch.Tensor = self.loss_fn(self.model(x), y)
+        return loss
+
+
 class LoopClock(ember.Callback):
     """Times the training loop alone: from ``on_train_start`` to ``on_train_end`` (first batch to last step)."""
 
@@ -91,7 +101,9 @@ def run_raw(epochs: int) -> tuple[float, float]:
     return elapsed, elapsed
 
 
-def run_ember(epochs: int, defaults: bool, root: str, checkpoints: bool = True) -> tuple[float, float]:
+def run_ember(
+    epochs: int, defaults: bool, root: str, checkpoints: bool = True, module_cls: type[Tiny] = Tiny
+) -> tuple[float, float]:
     """(whole ``fit`` call, training loop alone) in seconds."""
     clock = LoopClock()
     if defaults:
@@ -111,7 +123,7 @@ def run_ember(epochs: int, defaults: bool, root: str, checkpoints: bool = True) 
             enable_checkpointing=False,
             callbacks=[clock],
         )
-    module, loader = Tiny(), make_loader()
+    module, loader = module_cls(), make_loader()
     start = time.perf_counter()
     trainer.fit(module, loader)
     return time.perf_counter() - start, clock.end - clock.start
@@ -127,6 +139,7 @@ def main() -> None:
         variants: dict[str, Callable[[], tuple[float, float]]] = {
             "raw": lambda: run_raw(epochs),
             "ember minimal": lambda: run_ember(epochs, False, root),
+            "minimal, no log": lambda: run_ember(epochs, False, root, module_cls=TinyNoLog),
             "ember defaults": lambda: run_ember(epochs, True, root),
             "defaults, no ckpt": lambda: run_ember(epochs, True, root, checkpoints=False),
         }
