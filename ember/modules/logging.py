@@ -99,7 +99,7 @@ class MetricCollector:
     """Holds the values logged with `self.log` for the stage that is running.
 
     The loops tell it which stage runs (`start_epoch`), which batch is current
-    (`current_batch`, for batch-size inference) and which dataloader
+    (by setting `current_batch`, for batch-size inference) and which dataloader
     (`suffix`); `TrainingModule.log` calls `log`.
     """
 
@@ -120,10 +120,6 @@ class MetricCollector:
         self.step_values = {}
         self._entries = {}
         self._sized_batch = None
-
-    def start_batch(self, batch: Any) -> None:
-        """Make `batch` the one batch sizes are inferred from (setting ``current_batch`` does the same)."""
-        self.current_batch = batch
 
     def log(
         self,
@@ -156,9 +152,7 @@ class MetricCollector:
         else:
             tensor = _as_scalar_tensor(name, value)
         if on_step:
-            self.step_values[key if not on_epoch else _insert_before_suffix(key, "_step", self.suffix)] = (
-                tensor.detach()
-            )
+            self._set_step(key, tensor.detach(), on_epoch)
         if on_epoch:
             if batch_size is None:
                 batch_size = self._current_batch_size()

@@ -108,12 +108,8 @@ def run_batches(trainer: Trainer, module: TrainingModule, batches: Any, val_load
         hooks.on_train_batch_end(detached(output) if wants_outputs else None, batch, batch_idx)
         if val_loaders is not None and plan.validates_after(batch_idx):
             validate_after(trainer, module, val_loaders, batch_idx)
-        if ends_window:
-            at_boundary(trainer, module)  # pending checkpoints are written here; preemption acts here
-            if trainer._should_stop_in_epoch():
-                if not plan.is_last(batch_idx):  # cut short: `last` must name this step, not the epoch end
-                    save_stop_point(trainer, module)
-                break
+        if ends_window and window_ended(trainer, module, batch_idx):
+            break
 
 
 def run_plain_batches(trainer: Trainer, module: TrainingModule, batches: Any, val_loaders: list[Any] | None) -> None:
@@ -126,7 +122,7 @@ def run_plain_batches(trainer: Trainer, module: TrainingModule, batches: Any, va
     """
     hooks, progress, collector, plan = trainer.hooks, trainer.progress, trainer.train_collector, trainer.epoch_plan
     starts, ends = hooks.implemented("on_train_batch_start"), hooks.implemented("on_train_batch_end")
-    strategy, preemption, writer = trainer.strategy, trainer._preemption, trainer._writer
+    strategy = trainer.strategy
     to_device = None if strategy.batches_stay_put else strategy.batch_to_device
     training_step, optimizer, log_every = module.training_step, trainer.optimizers[0], trainer.log_every_n_steps
     step_schedulers_due = any(config.interval == "step" for config in trainer.lr_scheduler_configs)
@@ -156,12 +152,18 @@ def run_plain_batches(trainer: Trainer, module: TrainingModule, batches: Any, va
             hooks.on_train_batch_end(detached(output), batch, batch_idx)
         if val_loaders is not None and plan.validates_after(batch_idx):
             validate_after(trainer, module, val_loaders, batch_idx)
-        if preemption.received is not None or writer.pending:
-            at_boundary(trainer, module)
-        if trainer._should_stop_in_epoch():
-            if not plan.is_last(batch_idx):
-                save_stop_point(trainer, module)
+        if window_ended(trainer, module, batch_idx):
             break
+
+
+def window_ended(trainer: Trainer, module: TrainingModule, batch_idx: int) -> bool:
+    """A step boundary after `batch_idx`: write pending checkpoints, act on preemption; whether to stop the epoch."""
+    at_boundary(trainer, module)
+    if not trainer._should_stop_in_epoch():
+        return False
+    if not trainer.epoch_plan.is_last(batch_idx):  # cut short: `last` must name this step, not the epoch end
+        save_stop_point(trainer, module)
+    return True
 
 
 def open_epoch(trainer: Trainer, loader: Any, start: int) -> Iterator[Any]:
@@ -245,7 +247,7 @@ def run_evaluation(
             collector.suffix = f"/dataloader_idx_{dl_idx}" if extra else ""
             for batch_idx, batch in enumerate(limited(loader, limits[dl_idx])):
                 batch = trainer.strategy.batch_to_device(batch)
-                collector.start_batch(batch)
+                collector.current_batch = batch
                 hooks.on_eval_batch_start(stage, batch, batch_idx, dl_idx)
                 with trainer.strategy.forward_context():
                     output = step_fn(batch, batch_idx, *extra)

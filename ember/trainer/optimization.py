@@ -5,7 +5,8 @@ precision context, backward (divided by the accumulation window, without
 gradient sync until the window ends), and at the window's end `optimizer_step`:
 unscale, hooks, clip, step, zero_grad, step-interval schedulers.
 
-`steps_are_plain` tells the loop when all of that reduces to ``training_step``,
+`setup_optimizers` builds the optimizers and schedulers a fit uses and wires
+manual optimization to the same step. `steps_are_plain` tells the loop when all of that reduces to ``training_step``,
 ``backward()`` and ``optimizer.step()``, so it can skip the no-op indirections.
 """
 
@@ -17,9 +18,31 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ember.modules.optimizers import ManualOptimizer, parse_optimizers
+
 if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
+
+
+def setup_optimizers(trainer: Trainer, module: TrainingModule) -> None:
+    """Run ``configure_optimizers``; under manual optimization, `self.optimizers()` and ``manual_backward`` go
+    through `optimizer_step` and `backward`, so hooks, precision and step counting stay the same."""
+    setup = parse_optimizers(module.configure_optimizers())
+    trainer._automatic = module.automatic_optimization
+    if trainer._automatic and len(setup.optimizers) > 1:
+        raise ValueError(
+            f"configure_optimizers returned {len(setup.optimizers)} optimizers; several optimizers need "
+            "manual optimization: set self.automatic_optimization = False and step them in training_step"
+        )
+    trainer.optimizers, trainer.lr_scheduler_configs = setup.optimizers, setup.schedulers
+    for optimizer in trainer.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    module._manual_optimizers = [
+        ManualOptimizer(opt, lambda o, closure: optimizer_step(trainer, o, closure)) for opt in trainer.optimizers
+    ]
+    module._manual_schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
+    module._manual_backward_fn = lambda loss: backward(trainer, loss)
 
 
 #: Hooks that sit between backward and the optimizer step.

@@ -25,12 +25,13 @@ from ember.loggers.logger import Logger
 from ember.modules.datamodule import DataModule
 from ember.modules.logging import MetricCollector, to_floats
 from ember.modules.module import TrainingModule
-from ember.modules.optimizers import ManualOptimizer, SchedulerConfig, parse_optimizers
+from ember.modules.optimizers import SchedulerConfig
 from ember.strategies import launcher
 from ember.strategies.strategy import Strategy
 from ember.trainer import checkpointing, loop, options, signals
 from ember.trainer.data import EpochPlan, check_not_empty, num_batches, resolve_loaders
 from ember.trainer.numerics import FiniteGuard
+from ember.trainer.optimization import setup_optimizers
 from ember.trainer.progress import Progress
 
 _LIMIT_NAME = {"validation": "val", "test": "test", "predict": "predict"}
@@ -288,7 +289,7 @@ class Trainer:
                 self.val_check_interval,
             )
             self.num_val_batches = [num_batches(v, self.limit_val_batches, "limit_val_batches") for v in val]
-            self._setup_optimizers(module)
+            setup_optimizers(self, module)
             if self._ckpt is not None:
                 self._resume_state = checkpointing.resume(self, module, self._ckpt)
             from ember.trainer.setup import record_hyperparameters  # loaded with the run, as in _run
@@ -450,25 +451,6 @@ class Trainer:
         if not self._in_train_loop:
             self._writer.flush(self, self._module)
         return Path(path)
-
-    def _setup_optimizers(self, module: TrainingModule) -> None:
-        setup = parse_optimizers(module.configure_optimizers())
-        self._automatic = module.automatic_optimization
-        if self._automatic and len(setup.optimizers) > 1:
-            raise ValueError(
-                f"configure_optimizers returned {len(setup.optimizers)} optimizers; several optimizers need "
-                "manual optimization: set self.automatic_optimization = False and step them in training_step"
-            )
-        self.optimizers, self.lr_scheduler_configs = setup.optimizers, setup.schedulers
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        from ember.trainer.optimization import backward, optimizer_step
-
-        module._manual_optimizers = [
-            ManualOptimizer(opt, lambda o, closure: optimizer_step(self, o, closure)) for opt in self.optimizers
-        ]
-        module._manual_schedulers = [c.scheduler for c in self.lr_scheduler_configs]
-        module._manual_backward_fn = lambda loss: backward(self, loss)
 
     # --- used by the loops ---------------------------------------------------------
     def _should_stop_in_epoch(self) -> bool:
