@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ember import dcp_writer
 from ember.dcp_metadata import safe_reader, unpickle_metadata
 
 FORMAT_VERSION = 1
@@ -143,14 +144,17 @@ def write_checkpoint(
         # into the page cache and the flush to disk overlap, which brings a save close to a plain torch.save
         # without fsync. Small ones are not worth starting threads for.
         size = sum(t.numel() * t.element_size() for t in tensors.values())
-        threads = max(1, min(4, os.cpu_count() or 1)) if size >= _PARALLEL_WRITE_BYTES else 1
-        writer = dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True, thread_count=threads)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-            if world_size > 1:
-                dcp.save(tensors, storage_writer=writer, process_group=group)
-            else:
-                dcp.save(tensors, storage_writer=writer, no_dist=True)
+        if world_size == 1 and size < _PARALLEL_WRITE_BYTES and dcp_writer.can_write(tensors):
+            dcp_writer.write_tensors(tmp, tensors)  # the same files as dcp.save, without its per-tensor planning
+        else:
+            threads = max(1, min(4, os.cpu_count() or 1)) if size >= _PARALLEL_WRITE_BYTES else 1
+            writer = dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True, thread_count=threads)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+                if world_size > 1:
+                    dcp.save(tensors, storage_writer=writer, process_group=group)
+                else:
+                    dcp.save(tensors, storage_writer=writer, no_dist=True)
         if rank == 0:
             _torch_save_synced({"format_version": FORMAT_VERSION, "world_size": world_size, **meta}, tmp / META_FILE)
         _torch_save_synced(rank_meta, tmp / f"rank-{rank}.pt")

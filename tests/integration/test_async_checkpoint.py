@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ember import Callback, Trainer, TrainingModule, seed_everything
+from ember import Callback, Trainer, TrainingModule, dcp_writer, seed_everything
 from ember import checkpoint as ckpt
 from ember.callbacks.model_checkpoint import ModelCheckpoint
 
@@ -117,10 +117,16 @@ class WriteLog:
 
 
 def fail_dcp_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tensor write fails: DCP's (several processes, large states) and ember's one-process writer."""
+
     def write_data(self: Any, plan: Any, planner: Any) -> Any:
         raise OSError(28, "No space left on device")
 
+    def write_tensors(directory: Path, tensors: Any, fsync: bool = True) -> None:
+        raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
+    monkeypatch.setattr(dcp_writer, "write_tensors", write_tensors)
 
 
 class SaveAt(Callback):

@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ember import Callback, Trainer, TrainingModule
+from ember import Callback, Trainer, TrainingModule, dcp_writer
 from ember import checkpoint as ckpt
 from ember.callbacks.model_checkpoint import ModelCheckpoint
 from ember.checkpoint import CheckpointError
@@ -409,8 +409,10 @@ def test_last_with_no_checkpoint_starts_fresh(tmp_path: Path, capfd: pytest.Capt
 
 
 def fail_in_dcp_writer(monkeypatch: pytest.MonkeyPatch, when: Callable[[], bool]) -> None:
-    """The DCP writer leaves a partial shard, then hits a full disk."""
+    """The DCP writer (used for several processes and large states; forced here) leaves a partial shard,
+    then hits a full disk."""
     original = dcp.FileSystemWriter.write_data
+    monkeypatch.setattr(dcp_writer, "can_write", lambda tensors: False)
 
     def write_data(self: Any, plan: Any, planner: Any) -> Any:
         if not when():
@@ -434,7 +436,24 @@ def fail_in_torch_save(monkeypatch: pytest.MonkeyPatch, when: Callable[[], bool]
     monkeypatch.setattr(torch, "save", save)
 
 
-INJECT = {"dcp writer": fail_in_dcp_writer, "torch.save of ember.pt": fail_in_torch_save}
+def fail_in_tensor_file(monkeypatch: pytest.MonkeyPatch, when: Callable[[], bool]) -> None:
+    """ember's one-process tensor writer gets a few bytes into the shard, then hits a full disk."""
+    original = torch.save
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        if when() and str(getattr(f, "name", f)).endswith(".distcp"):
+            f.write(b"PK\x03\x04partial")
+            raise OSError(28, "No space left on device")
+        return original(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+INJECT = {
+    "dcp writer": fail_in_dcp_writer,
+    "one-process tensor writer": fail_in_tensor_file,
+    "torch.save of ember.pt": fail_in_torch_save,
+}
 
 
 def visible_dirs(directory: Path) -> list[str]:
