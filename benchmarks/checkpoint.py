@@ -119,26 +119,35 @@ def measure_saves(trainer: ember.Trainer, module: Stack, root: Path, repeats: in
 
 @dataclass
 class Writes:
-    """Wraps `ember.checkpoint.write_checkpoint` to learn when each write started and ended."""
+    """Learns when each checkpoint write started (its files begin, `ember.checkpoint.stage_checkpoint`) and
+    ended (it is in place, `StagedCheckpoint.finish`): on the writer thread for an async save; for a sync
+    save inside fit, the files on the loop's thread and the fsyncs and rename on a background one."""
 
     spans: dict[str, tuple[float, float]] = field(default_factory=dict)
+    starts: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def install(self) -> Callable[[], None]:
-        original = ckpt.write_checkpoint
+        stage, finish = ckpt.stage_checkpoint, ckpt.StagedCheckpoint.finish
 
-        def write_checkpoint(path: Path, *args: Any, **kwargs: Any) -> Path:
-            start = time.perf_counter()
+        def logged_stage(path: Path, *args: Any, **kwargs: Any) -> ckpt.StagedCheckpoint:
+            with self.lock:
+                self.starts[Path(path).name] = time.perf_counter()
+            return stage(path, *args, **kwargs)
+
+        def logged_finish(staged: ckpt.StagedCheckpoint) -> Path:
             try:
-                return original(path, *args, **kwargs)
+                return finish(staged)
             finally:
                 with self.lock:
-                    self.spans[Path(path).name] = (start, time.perf_counter())
+                    self.spans[staged.path.name] = (self.starts[staged.path.name], time.perf_counter())
 
-        ckpt.write_checkpoint = write_checkpoint  # type: ignore[assignment]
+        ckpt.stage_checkpoint = logged_stage  # type: ignore[assignment]
+        ckpt.StagedCheckpoint.finish = logged_finish  # type: ignore[method-assign]
 
         def uninstall() -> None:
-            ckpt.write_checkpoint = original  # type: ignore[assignment]
+            ckpt.stage_checkpoint = stage  # type: ignore[assignment]
+            ckpt.StagedCheckpoint.finish = finish  # type: ignore[method-assign]
 
         return uninstall
 

@@ -22,7 +22,7 @@ import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -98,11 +98,118 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _torch_save_synced(obj: Any, path: Path) -> None:
+def _torch_save_to(obj: Any, path: Path, sync: bool) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
+
+
+def _torch_save_synced(obj: Any, path: Path) -> None:
+    _torch_save_to(obj, path, sync=True)
+
+
+def _raise_write_error(path: Path, exc: BaseException) -> NoReturn:
+    """Re-raise a failed write's error, DCP's per-rank wrapper replaced by its first real cause."""
+    cause = _underlying(exc)
+    if cause is not exc and isinstance(cause, Exception):
+        raise CheckpointError(f"writing checkpoint {path} failed: {type(cause).__name__}: {cause}") from cause
+    raise exc
+
+
+def _write_files(
+    tmp: Path,
+    meta: dict[str, Any],
+    tensors: dict[str, Tensor],
+    rank_meta: dict[str, Any],
+    rank: int,
+    world_size: int,
+    group: Any,
+    sync: bool,
+) -> list[Path]:
+    """This process's files of a checkpoint, into `tmp`; returns those written without fsync (`sync` False)."""
+    import torch.distributed.checkpoint as dcp
+
+    unsynced: list[Path] = []
+    # Large states go to several files per process, written (and fsynced) by parallel threads: the copy
+    # into the page cache and the flush to disk overlap, which brings a save close to a plain torch.save
+    # without fsync. Small ones are not worth starting threads for; in one process they skip DCP's planning.
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    if world_size == 1 and size < _PARALLEL_WRITE_BYTES and dcp_writer.can_write(tensors):
+        dcp_writer.write_tensors(tmp, tensors, fsync=sync)
+        unsynced += [tmp / dcp_writer.DATA_FILE, tmp / dcp_writer.METADATA_FILE]
+    else:
+        threads = max(1, min(4, os.cpu_count() or 1)) if size >= _PARALLEL_WRITE_BYTES else 1
+        writer = dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True, thread_count=threads)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+            if world_size > 1:
+                dcp.save(tensors, storage_writer=writer, process_group=group)
+            else:
+                dcp.save(tensors, storage_writer=writer, no_dist=True)
+    files = [(tmp / f"rank-{rank}.pt", rank_meta)]
+    if rank == 0:
+        files.insert(0, (tmp / META_FILE, {"format_version": FORMAT_VERSION, "world_size": world_size, **meta}))
+    for file, content in files:
+        _torch_save_to(content, file, sync)
+        unsynced.append(file)
+    return [] if sync else unsynced
+
+
+class StagedCheckpoint:
+    """A one-process checkpoint whose files are written under a temporary name but not yet durable.
+
+    `finish` fsyncs them, renames the directory into place and points ``last``
+    at it. It is mostly waiting on the disk, with the GIL released, so the
+    trainer runs it on a background thread while training goes on (see
+    `ember.trainer.checkpointing.CheckpointWriter`); until it returns the
+    checkpoint does not exist under its name, and a crash leaves only the
+    temporary directory, which a later write removes.
+    """
+
+    def __init__(self, path: Path, tmp: Path, unsynced: list[Path], set_last: bool) -> None:
+        self.path, self.tmp, self.unsynced, self.set_last = path, tmp, unsynced, set_last
+
+    def finish(self) -> Path:
+        try:
+            for file in self.unsynced:
+                _fsync_path(file)
+            _fsync_path(self.tmp)
+            os.rename(self.tmp, self.path)
+            _fsync_path(self.path.parent)
+            if self.set_last:  # `last` only ever names a complete checkpoint
+                point_last_at(self.path)
+        except BaseException as exc:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            _raise_write_error(self.path, exc)
+        return self.path
+
+
+def _make_temporary(path: Path, tmp: Path) -> None:
+    if path.exists():
+        raise FileExistsError(f"checkpoint {path} already exists; ember never overwrites a checkpoint")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_temporaries(path.parent)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+
+
+def stage_checkpoint(
+    path: Path, meta: dict[str, Any], tensors: dict[str, Tensor], rank_meta: dict[str, Any], set_last: bool = False
+) -> StagedCheckpoint:
+    """One process: write every file of the checkpoint at `path` under a temporary name, without fsync.
+
+    Call ``finish()`` on the result (on any thread) to make it durable and put it in place.
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    _make_temporary(path, tmp)
+    try:
+        unsynced = _write_files(tmp, meta, tensors, rank_meta, 0, 1, None, sync=False)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _raise_write_error(path, exc)
+    return StagedCheckpoint(path, tmp, unsynced, set_last)
 
 
 def write_checkpoint(
@@ -123,56 +230,29 @@ def write_checkpoint(
     directory into place.
     """
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
+
+    if world_size == 1:
+        return stage_checkpoint(path, meta, tensors, rank_meta, set_last).finish()
 
     def barrier() -> None:
-        if world_size > 1:
-            dist.barrier(group=group)
+        dist.barrier(group=group)
 
+    tmp = path.with_name(f".{path.name}.tmp")  # one temporary name all processes agree on
     if path.exists():
         raise FileExistsError(f"checkpoint {path} already exists; ember never overwrites a checkpoint")
-    # One temporary name all processes agree on (several processes), else one per process.
-    tmp = path.with_name(f".{path.name}.tmp" if world_size > 1 else f".{path.name}.tmp-{os.getpid()}")
     if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _remove_abandoned_temporaries(path.parent)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        _make_temporary(path, tmp)
     barrier()
     try:
-        # Large states go to several files per process, written (and fsynced) by parallel threads: the copy
-        # into the page cache and the flush to disk overlap, which brings a save close to a plain torch.save
-        # without fsync. Small ones are not worth starting threads for.
-        size = sum(t.numel() * t.element_size() for t in tensors.values())
-        if world_size == 1 and size < _PARALLEL_WRITE_BYTES and dcp_writer.can_write(tensors):
-            dcp_writer.write_tensors(tmp, tensors)  # the same files as dcp.save, without its per-tensor planning
-        else:
-            threads = max(1, min(4, os.cpu_count() or 1)) if size >= _PARALLEL_WRITE_BYTES else 1
-            writer = dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True, thread_count=threads)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-                if world_size > 1:
-                    dcp.save(tensors, storage_writer=writer, process_group=group)
-                else:
-                    dcp.save(tensors, storage_writer=writer, no_dist=True)
-        if rank == 0:
-            _torch_save_synced({"format_version": FORMAT_VERSION, "world_size": world_size, **meta}, tmp / META_FILE)
-        _torch_save_synced(rank_meta, tmp / f"rank-{rank}.pt")
+        _write_files(tmp, meta, tensors, rank_meta, rank, world_size, group, sync=True)
         barrier()
         if rank == 0:
-            _fsync_path(tmp)
-            os.rename(tmp, path)
-            _fsync_path(path.parent)
-            if set_last:  # `last` only ever names a complete checkpoint
-                point_last_at(path)
+            StagedCheckpoint(path, tmp, [], set_last).finish()
         barrier()  # every process returns once the checkpoint (and `last`) is in place
     except BaseException as exc:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        cause = _underlying(exc)
-        if cause is not exc and isinstance(cause, Exception):
-            raise CheckpointError(f"writing checkpoint {path} failed: {type(cause).__name__}: {cause}") from cause
-        raise
+        _raise_write_error(path, exc)
     return path
 
 

@@ -130,6 +130,12 @@ class CheckpointWriter:
     therefore always describes a point where training can continue exactly.
     At most one background write is in flight; the next save, the end of fit
     and a preemption wait for it, and its error is raised there.
+
+    A save that is not ``async_save`` writes every file at the boundary. In one
+    process inside fit, what is left after that (fsyncs, the rename into place,
+    ``last``) is waiting on the disk, and runs on a background thread like an
+    async write's, so the loop does not wait for the disk; outside fit, and
+    with several processes, the save is complete when it returns.
     """
 
     def __init__(self) -> None:
@@ -138,11 +144,12 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self._after_background: list[tuple[OnDone, Path]] = []
         self._waits_at_exit = False
+        self._in_flight: Path | None = None  # the checkpoint the background thread is writing
         #: Copies of the last async snapshot, reused by the next one (`release` frees them).
         self._staging: dict[str, Tensor] = {}
 
     def request(self, path: Path, weights_only: bool, async_save: bool, set_last: bool, on_done: OnDone | None) -> None:
-        if any(r.path == path for r in self.pending) or path.exists():
+        if any(r.path == path for r in self.pending) or path == self._in_flight or path.exists():
             raise FileExistsError(f"a checkpoint at {path} exists already; ember never overwrites one")
         self.pending.append(_Request(path, weights_only, async_save, set_last, on_done))
 
@@ -158,19 +165,34 @@ class CheckpointWriter:
             staging = self._staging if req.async_save else None
             snapshot = state.gather(trainer, module, req.weights_only, copy=req.async_save, staging=staging)
             if req.async_save:
-                self._thread = threading.Thread(target=self._write_in_background, args=(req, snapshot), daemon=True)
-                self._thread.start()
-                if not self._waits_at_exit:  # e.g. a save asked for after fit: nothing else would wait for it
-                    atexit.register(self._finish_at_exit)
-                    self._waits_at_exit = True
+                self._start(self._write_in_background, req, snapshot)
+            elif trainer._in_train_loop and snapshot.world_size == 1:
+                self._start(self._finish_in_background, req, state.stage(req.path, snapshot, req.set_last))
             else:
                 self._write(req, snapshot)
                 if req.on_done is not None and snapshot.rank == 0:
                     req.on_done(req.path)
 
+    def _start(self, target: Callable[..., None], *args: Any) -> None:
+        self._in_flight = args[0].path
+        self._thread = threading.Thread(target=target, args=args, daemon=True)
+        self._thread.start()
+        if not self._waits_at_exit:  # e.g. a save asked for after fit: nothing else would wait for it
+            atexit.register(self._finish_at_exit)
+            self._waits_at_exit = True
+
     @staticmethod
     def _write(req: _Request, snapshot: state.Snapshot) -> None:
         state.write(req.path, snapshot, req.set_last)
+
+    def _finish_in_background(self, req: _Request, staged: ckpt.StagedCheckpoint) -> None:
+        try:
+            staged.finish()
+        except BaseException as exc:  # handed to the main thread in wait()
+            self._error = exc
+        else:
+            if req.on_done is not None:
+                self._after_background.append((req.on_done, req.path))
 
     def _write_in_background(self, req: _Request, snapshot: state.Snapshot) -> None:
         # The step loop keeps the CPU: the writer (and the threads it starts) only takes what is left.
@@ -205,6 +227,7 @@ class CheckpointWriter:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+            self._in_flight = None
         done, self._after_background = self._after_background, []
         for on_done, path in done:
             on_done(path)

@@ -211,6 +211,11 @@ def _copy_into(staging: dict[str, Tensor] | None, key: str, value: Tensor) -> Te
     return buffer.copy_(value)
 
 
+def stage(path: Path, snapshot: Snapshot, set_last: bool = False) -> ckpt.StagedCheckpoint:
+    """One process: write the snapshot's files now; the result's ``finish()`` makes them the checkpoint."""
+    return ckpt.stage_checkpoint(path, snapshot.meta, snapshot.tensors, snapshot.rank_state, set_last)
+
+
 def write(path: Path, snapshot: Snapshot, set_last: bool = False) -> Path:
     return ckpt.write_checkpoint(
         path,

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ember import Callback, Trainer, TrainingModule, dcp_writer, seed_everything
 from ember import checkpoint as ckpt
 from ember.callbacks.model_checkpoint import ModelCheckpoint
+from ember.trainer import state
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +78,7 @@ class Write:
 
 @dataclass
 class WriteLog:
-    """Wraps `ember.checkpoint.write_checkpoint`: when each write ran, on which thread, how many at once."""
+    """Wraps the trainer's checkpoint writes: when each write ran, on which thread, how many at once."""
 
     delay_s: float = 0.0
     writes: list[Write] = field(default_factory=list)
@@ -86,9 +87,14 @@ class WriteLog:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> WriteLog:
-        original = ckpt.write_checkpoint
+        """Wrap both ways the trainer writes: `state.write` (async and complete saves) and `state.stage`
+        (a save inside fit in one process, whose files are written on the calling thread)."""
+        for name in ("write", "stage"):
+            monkeypatch.setattr(state, name, self._logged(getattr(state, name)))
+        return self
 
-        def write_checkpoint(path: Path, *args: Any, **kwargs: Any) -> Path:
+    def _logged(self, original: Any) -> Any:
+        def write(path: Path, *args: Any, **kwargs: Any) -> Any:
             record = Write(Path(path), threading.current_thread().name, time.perf_counter())
             with self.lock:
                 self.writes.append(record)
@@ -105,8 +111,7 @@ class WriteLog:
                 with self.lock:
                     self.active -= 1
 
-        monkeypatch.setattr(ckpt, "write_checkpoint", write_checkpoint)
-        return self
+        return write
 
     def finished(self, path: Path) -> bool:
         return any(w.path == path and w.end == w.end for w in self.writes)  # end is NaN until done

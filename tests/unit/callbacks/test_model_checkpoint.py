@@ -166,7 +166,9 @@ def test_last_always_names_the_newest(tmp_path: Path) -> None:
     record = Recorder(tmp_path)
     saver = ModelCheckpoint(tmp_path, monitor="val/acc", mode="max", save_top_k=1)  # newest is rarely the best
     fit(5, saver, record)
-    assert len(record.last_at_start) == 4
+    # Epochs 2-4 start after a complete earlier save; at epoch 1's start, epoch 0's checkpoint may still be
+    # in flight (its fsyncs and rename run in the background), in which case `last` does not exist yet.
+    assert len(record.last_at_start) in (3, 4)
     for named, newest in record.last_at_start:
         assert named == newest
     assert (tmp_path / "last").read_text().strip() == name(4) == newest_on_disk(tmp_path)
