@@ -22,6 +22,7 @@ SHORT_RUNS = {
     "fit_fixed_cost.py": ["--repeats", "1", "--epochs", "1"],
     "compile.py": ["--short"],
     "checkpoint.py": ["--short"],
+    "small_checkpoint.py": ["--short"],
     "ddp_overhead.py": ["--short"],  # starts itself under torchrun: 2 gloo processes
 }
 
