@@ -7,7 +7,7 @@ states, each with its SGD-momentum or AdamW state after one step:
 - tiny: the overhead benchmark's MLP (32 -> 64 -> 2), 6 tensors;
 - many: 100 x Linear(64, 64) with AdamW, 600 tensors.
 
-For each, side by side in one process, interleaved and repeated (medians):
+For each, side by side in one process, interleaved in rotating order and repeated (medians):
 
 - ``ember``: ``trainer.save_checkpoint(path)`` outside fit, complete (every file
   fsynced, renamed into place) when it returns;
@@ -117,8 +117,11 @@ def measure(trainer: ember.Trainer, module: Model, root: Path, repeats: int) -> 
         "torch.save": lambda p: torch_save(tensors, p),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
     for rep in range(repeats + 1):  # the first round warms up (imports, allocator)
-        for name, save in variants.items():
+        # The order rotates: deleting a variant's files leaves the file system work that the next one meets.
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            save = variants[name]
             path = root / f"{name.replace(' ', '-')}-{rep}"
             start = time.perf_counter()
             save(path)
