@@ -106,10 +106,6 @@ def _torch_save_to(obj: Any, path: Path, sync: bool) -> None:
             os.fsync(f.fileno())
 
 
-def _torch_save_synced(obj: Any, path: Path) -> None:
-    _torch_save_to(obj, path, sync=True)
-
-
 def _raise_write_error(path: Path, exc: BaseException) -> NoReturn:
     """Re-raise a failed write's error, DCP's per-rank wrapper replaced by its first real cause."""
     cause = _underlying(exc)
@@ -462,7 +458,7 @@ def save_weights(path: Path, state_dict: dict[str, Tensor]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        _torch_save_synced({k: v.detach().cpu() for k, v in state_dict.items()}, tmp)
+        _torch_save_to({k: v.detach().cpu() for k, v in state_dict.items()}, tmp, sync=True)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind; an older file at `path` stays

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -165,17 +166,19 @@ class CheckpointWriter:
             staging = self._staging if req.async_save else None
             snapshot = state.gather(trainer, module, req.weights_only, copy=req.async_save, staging=staging)
             if req.async_save:
-                self._start(self._write_in_background, req, snapshot)
+                self._start(req, functools.partial(self._write, req, snapshot), snapshot.rank, low_priority=True)
             elif trainer._in_train_loop and snapshot.world_size == 1:
-                self._start(self._finish_in_background, req, state.stage(req.path, snapshot, req.set_last))
+                self._start(req, state.stage(req.path, snapshot, req.set_last).finish, 0, low_priority=False)
             else:
                 self._write(req, snapshot)
                 if req.on_done is not None and snapshot.rank == 0:
                     req.on_done(req.path)
 
-    def _start(self, target: Callable[..., None], *args: Any) -> None:
-        self._in_flight = args[0].path
-        self._thread = threading.Thread(target=target, args=args, daemon=True)
+    def _start(self, req: _Request, work: Callable[[], object], rank: int, low_priority: bool) -> None:
+        """Run `work` (the rest of `req`'s write) on the background thread."""
+        self._in_flight = req.path
+        args = (req, work, rank, low_priority)
+        self._thread = threading.Thread(target=self._run_in_background, args=args, daemon=True)
         self._thread.start()
         if not self._waits_at_exit:  # e.g. a save asked for after fit: nothing else would wait for it
             atexit.register(self._finish_at_exit)
@@ -185,25 +188,16 @@ class CheckpointWriter:
     def _write(req: _Request, snapshot: state.Snapshot) -> None:
         state.write(req.path, snapshot, req.set_last)
 
-    def _finish_in_background(self, req: _Request, staged: ckpt.StagedCheckpoint) -> None:
+    def _run_in_background(self, req: _Request, work: Callable[[], object], rank: int, low_priority: bool) -> None:
+        if low_priority:  # a whole async write: the step loop keeps the CPU, the writer takes what is left
+            with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
-            staged.finish()
+            work()
         except BaseException as exc:  # handed to the main thread in wait()
             self._error = exc
         else:
-            if req.on_done is not None:
-                self._after_background.append((req.on_done, req.path))
-
-    def _write_in_background(self, req: _Request, snapshot: state.Snapshot) -> None:
-        # The step loop keeps the CPU: the writer (and the threads it starts) only takes what is left.
-        with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        try:
-            self._write(req, snapshot)
-        except BaseException as exc:  # handed to the main thread in wait()
-            self._error = exc
-        else:
-            if req.on_done is not None and snapshot.rank == 0:
+            if req.on_done is not None and rank == 0:
                 self._after_background.append((req.on_done, req.path))
 
     def _finish_at_exit(self) -> None:

@@ -423,36 +423,27 @@ def fail_in_dcp_writer(monkeypatch: pytest.MonkeyPatch, when: Callable[[], bool]
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
 
 
-def fail_in_torch_save(monkeypatch: pytest.MonkeyPatch, when: Callable[[], bool]) -> None:
-    """``torch.save`` of ember.pt writes a few bytes, then hits a full disk."""
-    original = torch.save
+def fail_in_torch_save_of(suffix: str) -> Callable[[pytest.MonkeyPatch, Callable[[], bool]], None]:
+    """An injection: ``torch.save`` into the file named ``*suffix`` writes a few bytes, then hits a full disk."""
 
-    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-        if when() and str(getattr(f, "name", f)).endswith("ember.pt"):
-            f.write(b"PK\x03\x04partial")
-            raise OSError(28, "No space left on device")
-        return original(obj, f, *args, **kwargs)
+    def inject(monkeypatch: pytest.MonkeyPatch, when: Callable[[], bool]) -> None:
+        original = torch.save
 
-    monkeypatch.setattr(torch, "save", save)
+        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+            if when() and str(getattr(f, "name", f)).endswith(suffix):
+                f.write(b"PK\x03\x04partial")
+                raise OSError(28, "No space left on device")
+            return original(obj, f, *args, **kwargs)
 
+        monkeypatch.setattr(torch, "save", save)
 
-def fail_in_tensor_file(monkeypatch: pytest.MonkeyPatch, when: Callable[[], bool]) -> None:
-    """ember's one-process tensor writer gets a few bytes into the shard, then hits a full disk."""
-    original = torch.save
-
-    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-        if when() and str(getattr(f, "name", f)).endswith(".distcp"):
-            f.write(b"PK\x03\x04partial")
-            raise OSError(28, "No space left on device")
-        return original(obj, f, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", save)
+    return inject
 
 
 INJECT = {
     "dcp writer": fail_in_dcp_writer,
-    "one-process tensor writer": fail_in_tensor_file,
-    "torch.save of ember.pt": fail_in_torch_save,
+    "one-process tensor writer": fail_in_torch_save_of(".distcp"),  # ember's writer, into the shard
+    "torch.save of ember.pt": fail_in_torch_save_of("ember.pt"),
 }
 
 
