@@ -2,15 +2,17 @@
 
 `ember.dcp_writer.write_tensors` skips DCP's planning; these tests hold it to
 DCP's layout: the same metadata (every field but the save's id and path), the
-same bytes per tensor, loadable by stock ``dcp.load`` and by ember's restricted
+same bytes in the data file (each tensor's exactly what ``torch.save`` writes), loadable by stock ``dcp.load`` and by ember's restricted
 reader, bitwise.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -74,6 +76,65 @@ def test_same_metadata_as_dcp_save(tmp_path: Path) -> None:
     assert sorted(mine.storage_data.items(), key=str) == sorted(theirs.storage_data.items(), key=str)
     assert mine.storage_meta is not None and mine.storage_meta.save_id != theirs.storage_meta.save_id
     assert sorted(p.name for p in (tmp_path / "ember").iterdir()) == [".metadata", dcp_writer.DATA_FILE]
+
+
+def test_same_data_file_bytes_as_dcp_save(tmp_path: Path) -> None:
+    tensors = state()
+    dcp_save(tmp_path / "dcp", tensors)
+    ember_save(tmp_path / "ember", tensors)
+    ember_save(tmp_path / "again", tensors)  # every layout known by now: the reused pickles
+    theirs = (tmp_path / "dcp" / dcp_writer.DATA_FILE).read_bytes()
+    assert (tmp_path / "ember" / dcp_writer.DATA_FILE).read_bytes() == theirs
+    assert (tmp_path / "again" / dcp_writer.DATA_FILE).read_bytes() == theirs
+
+
+def torch_saved(tensor: torch.Tensor) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return buffer.getvalue()
+
+
+def ember_saved(tensor: torch.Tensor) -> bytes:
+    buffer = io.BytesIO()
+    dcp_writer.save_tensor(tensor, buffer)
+    return buffer.getvalue()
+
+
+def test_save_tensor_writes_torch_saves_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dcp_writer, "_PICKLED", {})
+    g = torch.Generator().manual_seed(1)
+    first, second = torch.randn(6, 3, generator=g), torch.randn(6, 3, generator=g)  # one layout, new values
+    transposed = torch.randn(3, 6, generator=g).t()  # owns its storage, strides (1, 6)
+    for tensor in (first, second, transposed, torch.tensor(3), torch.zeros(0, 2), torch.ones(4, dtype=torch.int8)):
+        assert ember_saved(tensor) == torch_saved(tensor)
+        assert torch.equal(torch.load(io.BytesIO(ember_saved(tensor)), weights_only=True), tensor)
+    assert len(dcp_writer._PICKLED) == 5  # `first` and `second` share theirs
+    assert all(pickled is not None for pickled in dcp_writer._PICKLED.values())
+
+
+def test_tensors_pickled_otherwise_go_through_torch_save(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A parameter, a tensor with grad or with attributes is pickled with more than its layout."""
+    monkeypatch.setattr(dcp_writer, "_PICKLED", {})
+    tagged = torch.zeros(2)
+    tagged.note = "kept by torch.save"  # type: ignore[attr-defined]
+    for tensor in (torch.nn.Parameter(torch.zeros(2)), torch.zeros(2, requires_grad=True), tagged):
+        assert ember_saved(tensor) == torch_saved(tensor)
+    assert dcp_writer._PICKLED == {}
+
+
+def test_a_layout_whose_bytes_differ_is_left_to_torch_save(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If torch.save ever writes records `save_tensor` does not, its own check turns the shortcut off."""
+    monkeypatch.setattr(dcp_writer, "_PICKLED", {})
+    records = dcp_writer._records
+
+    def one_record_more(f: Any, pickled: bytes, tensor: torch.Tensor) -> None:
+        records(f, pickled + b".", tensor)  # e.g. a newer torch pickling its tensors differently
+
+    monkeypatch.setattr(dcp_writer, "_records", one_record_more)
+    tensor = torch.randn(3, 3)
+    assert ember_saved(tensor) == torch_saved(tensor)
+    assert list(dcp_writer._PICKLED.values()) == [None]
+    assert ember_saved(tensor) == torch_saved(tensor)  # and stays torch.save's
 
 
 def test_each_reader_reads_the_other_writers_files_bitwise(tmp_path: Path) -> None:
