@@ -30,7 +30,7 @@ import pickle
 import sys
 import uuid
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 from torch import Tensor
@@ -79,13 +79,13 @@ def _records(f: IO[bytes], pickled: bytes, tensor: Tensor) -> None:
     """The records of ``torch.save(tensor, f)``, in its order, with the pickle given."""
     options = (torch.serialization.get_crc32_options(), torch.serialization._get_storage_alignment())
     writer = torch._C.PyTorchFileWriter(f, *options)
-    alignment = str(options[1])
+    alignment, byteorder = str(options[1]).encode(), sys.byteorder.encode()
     writer.write_record("data.pkl", pickled, len(pickled))
-    writer.write_record(".format_version", "1", 1)
+    writer.write_record(".format_version", b"1", 1)
     writer.write_record(".storage_alignment", alignment, len(alignment))
-    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    writer.write_record("byteorder", byteorder, len(byteorder))
     storage = tensor.untyped_storage()
-    writer.write_record("data/0", storage, storage.nbytes())
+    writer.write_record("data/0", cast(Any, storage), storage.nbytes())  # as torch.save passes it
     writer.write_end_of_file()
 
 

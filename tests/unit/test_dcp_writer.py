@@ -2,8 +2,8 @@
 
 `ember.dcp_writer.write_tensors` skips DCP's planning; these tests hold it to
 DCP's layout: the same metadata (every field but the save's id and path), the
-same bytes in the data file (each tensor's exactly what ``torch.save`` writes), loadable by stock ``dcp.load`` and by ember's restricted
-reader, bitwise.
+same bytes in the data file (each tensor's exactly what ``torch.save`` writes),
+loadable by stock ``dcp.load`` and by ember's restricted reader, bitwise.
 """
 
 from __future__ import annotations
