@@ -14,6 +14,8 @@ loop (first batch to last step, the goals' measure) and the whole ``fit`` call.
     python benchmarks/overhead.py            # full: 20 rounds
     python benchmarks/overhead.py --short    # CI: 1 round of 1 epoch
 
+`overhead_instructions.py` counts the instructions of the same variants, which noise does not move.
+
 Goals: ember defaults / raw <= 1.10, ember minimal / raw <= 1.03.
 """
 
@@ -129,20 +131,34 @@ def run_ember(
     return time.perf_counter() - start, clock.end - clock.start
 
 
+VARIANTS = ("raw", "ember minimal", "minimal, no log", "ember defaults", "defaults, no ckpt")
+
+
+def make_variants(epochs: int, root: str) -> dict[str, Callable[[], tuple[float, float]]]:
+    """Each variant of `VARIANTS` as a call running it once for `epochs` epochs."""
+    return {
+        "raw": lambda: run_raw(epochs),
+        "ember minimal": lambda: run_ember(epochs, False, root),
+        "minimal, no log": lambda: run_ember(epochs, False, root, module_cls=TinyNoLog),
+        "ember defaults": lambda: run_ember(epochs, True, root),
+        "defaults, no ckpt": lambda: run_ember(epochs, True, root, checkpoints=False),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--short", action="store_true", help="one repeat of one epoch (for CI)")
+    parser.add_argument("--run", choices=VARIANTS, help="run this variant once, untimed (overhead_instructions.py)")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs of the --run variant")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.run is not None:
+        with tempfile.TemporaryDirectory() as root:
+            make_variants(args.epochs, root)[args.run]()
+        return
     epochs, repeats = (1, 1) if args.short else (3, 20)
     with tempfile.TemporaryDirectory() as root:
-        variants: dict[str, Callable[[], tuple[float, float]]] = {
-            "raw": lambda: run_raw(epochs),
-            "ember minimal": lambda: run_ember(epochs, False, root),
-            "minimal, no log": lambda: run_ember(epochs, False, root, module_cls=TinyNoLog),
-            "ember defaults": lambda: run_ember(epochs, True, root),
-            "defaults, no ckpt": lambda: run_ember(epochs, True, root, checkpoints=False),
-        }
+        variants = make_variants(epochs, root)
         for fn in variants.values():  # warm-up: first-call costs (allocator, imports) out of the timing
             fn()
         names = list(variants)

@@ -1,0 +1,59 @@
+"""benchmarks/overhead_instructions.py: its reading of valgrind's output and its per-step arithmetic.
+
+A full run takes 10-25 minutes under valgrind, so CI does not run it (docs/benchmarks.md records one);
+what it computes from valgrind's numbers is checked here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+SUMMARY = """==25863== Cachegrind, a cache and branch-prediction profiler
+==25863== Command: python3 overhead.py --run raw --epochs 3
+==25863==
+==25863== I   refs:      11,008,298,331
+"""
+
+
+@pytest.fixture(scope="module")
+def script() -> ModuleType:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location("overhead_instructions", BENCHMARKS / "overhead_instructions.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_reads_the_instruction_total(script: ModuleType) -> None:
+    assert script.instructions(SUMMARY) == 11_008_298_331
+
+
+def test_output_without_a_summary_is_an_error_that_shows_it(script: ModuleType) -> None:
+    with pytest.raises(RuntimeError, match=r"(?s)no instruction count.*Killed"):
+        script.instructions("==1== Command: python3\nKilled\n")
+
+
+def test_per_step_is_the_difference_over_the_steps_between_the_runs(script: ModuleType) -> None:
+    # 1 and 3 epochs of 256 steps: 512 steps apart; start-up and the first epoch cancel out.
+    assert script.SHORT == 1 and script.LONG == 3 and script.STEPS_PER_EPOCH == 256
+    assert script.per_step(10_095_694_059, 11_008_298_331) == pytest.approx(1_782_430.5)
+
+
+def test_without_valgrind_it_says_so(
+    script: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(script.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sys, "argv", ["overhead_instructions.py"])
+    assert script.main() == 2
+    assert "valgrind is not installed" in capsys.readouterr().err
