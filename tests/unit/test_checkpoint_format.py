@@ -440,9 +440,22 @@ def fail_in_torch_save_of(suffix: str) -> Callable[[pytest.MonkeyPatch, Callable
     return inject
 
 
+def fail_in_tensor_writer(monkeypatch: pytest.MonkeyPatch, when: Callable[[], bool]) -> None:
+    """ember's one-process writer writes a few bytes of a tensor into the shard, then hits a full disk."""
+    original = dcp_writer.save_tensor
+
+    def save_tensor(tensor: torch.Tensor, f: Any) -> None:
+        if not when():
+            return original(tensor, f)
+        f.write(b"PK\x03\x04partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dcp_writer, "save_tensor", save_tensor)
+
+
 INJECT = {
     "dcp writer": fail_in_dcp_writer,
-    "one-process tensor writer": fail_in_torch_save_of(".distcp"),  # ember's writer, into the shard
+    "one-process tensor writer": fail_in_tensor_writer,
     "torch.save of ember.pt": fail_in_torch_save_of("ember.pt"),
 }
 
