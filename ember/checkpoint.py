@@ -16,13 +16,17 @@ one and is itself replaced atomically.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import errno
+import io
 import os
 import shutil
+import stat
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn, cast
 
 import torch
 from torch import Tensor
@@ -38,6 +42,10 @@ _TENSOR_MARK = "__ember_tensor__"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the file and what is wrong."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed (e.g. the disk is full); the previous checkpoint and ``last`` are intact."""
 
 
 # --- tensors out of the way: DCP holds tensors only, torch.save holds the rest ------------
@@ -99,22 +107,83 @@ def _fsync_path(path: Path) -> None:
 
 
 def _torch_save_to(obj: Any, path: Path, sync: bool) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
+    with dcp_writer.guarded_open(path, sync) as f:
+        torch.save(obj, cast(IO[bytes], f))  # a file-like object with write, tell and flush
 
 
-def _raise_write_error(path: Path, exc: BaseException) -> NoReturn:
-    """Re-raise a failed write's error, DCP's per-rank wrapper replaced by its first real cause."""
+def _bytes_of(tensors: dict[str, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+#: Room a checkpoint needs besides its tensors (ember.pt, rank files, metadata), for the free-space check.
+_SMALL_FILES_BYTES = 256 << 10
+
+
+def _free_bytes(directory: Path) -> int:
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
+
+
+def _no_space(path: Path, needed: int) -> str:
+    try:
+        free = f"{_free_bytes(path.parent) / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return (
+        f"writing checkpoint {path} failed: No space left on device (it needs about {needed / 2**20:.1f} MiB; "
+        f"{free} in {path.parent}). The previous checkpoint and `last` are intact: free some space, or save "
+        "elsewhere (ModelCheckpoint(dirpath=...)), then resume with ckpt_path='last'"
+    )
+
+
+def _check_space(tmp: Path, path: Path, needed: int) -> None:
+    """Refuse a write that cannot fit before writing a byte (one process; `needed` is a lower bound)."""
+    try:
+        free = _free_bytes(tmp)
+    except OSError:
+        return
+    if free < needed:
+        raise CheckpointWriteError(_no_space(path, needed))
+
+
+def _raise_write_error(path: Path, exc: BaseException, needed: int = 0) -> NoReturn:
+    """Re-raise a failed write as a `CheckpointWriteError` naming its first real cause (DCP wraps errors per
+    rank); a full disk says how much space the checkpoint needs."""
     cause = _underlying(exc)
-    if cause is not exc and isinstance(cause, Exception):
-        raise CheckpointError(f"writing checkpoint {path} failed: {type(cause).__name__}: {cause}") from cause
+    if isinstance(cause, CheckpointWriteError):
+        raise cause
+    if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise CheckpointWriteError(_no_space(path, needed + _SMALL_FILES_BYTES)) from None
+    if isinstance(cause, Exception):
+        raise CheckpointWriteError(f"writing checkpoint {path} failed: {type(cause).__name__}: {cause}") from cause
     raise exc
 
 
+def _guarded_writer(tmp: Path, threads: int) -> Any:
+    """DCP's file writer, with every stream a `dcp_writer.GuardedFile` (see there: a failed write must not
+    abort the process)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class GuardedFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+            if "w" not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with Path(path).open(mode) as raw:
+                guarded = dcp_writer.GuardedFile(raw)
+                yield guarded
+                guarded.check()
+
+    writer = dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True, thread_count=threads)
+    writer.fs = GuardedFileSystem()
+    return writer
+
+
 def _write_files(
+    path: Path,
     tmp: Path,
     meta: dict[str, Any],
     tensors: dict[str, Tensor],
@@ -124,20 +193,22 @@ def _write_files(
     group: Any,
     sync: bool,
 ) -> list[Path]:
-    """This process's files of a checkpoint, into `tmp`; returns those written without fsync (`sync` False)."""
+    """This process's files of checkpoint `path`, into `tmp`; returns those written without fsync (`sync` False)."""
     import torch.distributed.checkpoint as dcp
 
     unsynced: list[Path] = []
     # Large states go to several files per process, written (and fsynced) by parallel threads: the copy
     # into the page cache and the flush to disk overlap, which brings a save close to a plain torch.save
     # without fsync. Small ones are not worth starting threads for; in one process they skip DCP's planning.
-    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    size = _bytes_of(tensors)
+    if world_size == 1:
+        _check_space(tmp, path, size + _SMALL_FILES_BYTES)
     if world_size == 1 and size < _PARALLEL_WRITE_BYTES and dcp_writer.can_write(tensors):
         dcp_writer.write_tensors(tmp, tensors, fsync=sync)
         unsynced += [tmp / dcp_writer.DATA_FILE, tmp / dcp_writer.METADATA_FILE]
     else:
         threads = max(1, min(4, os.cpu_count() or 1)) if size >= _PARALLEL_WRITE_BYTES else 1
-        writer = dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True, thread_count=threads)
+        writer = _guarded_writer(tmp, threads)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
             if world_size > 1:
@@ -182,6 +253,12 @@ class StagedCheckpoint:
         return self.path
 
 
+def _temporary_name(path: Path, pid: int) -> Path:
+    """Where checkpoint `path` is written before it is complete: hidden, and named after the writing process
+    (`_remove_abandoned_temporaries` deletes it once that process is gone)."""
+    return path.with_name(f".{path.name}.tmp-{pid}")
+
+
 def _make_temporary(path: Path, tmp: Path) -> None:
     if path.exists():
         raise FileExistsError(f"checkpoint {path} already exists; ember never overwrites a checkpoint")
@@ -198,13 +275,13 @@ def stage_checkpoint(
 
     Call ``finish()`` on the result (on any thread) to make it durable and put it in place.
     """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = _temporary_name(path, os.getpid())
     _make_temporary(path, tmp)
     try:
-        unsynced = _write_files(tmp, meta, tensors, rank_meta, 0, 1, None, sync=False)
+        unsynced = _write_files(path, tmp, meta, tensors, rank_meta, 0, 1, None, sync=False)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        _raise_write_error(path, exc)
+        _raise_write_error(path, exc, _bytes_of(tensors))
     return StagedCheckpoint(path, tmp, unsynced, set_last)
 
 
@@ -223,33 +300,54 @@ def write_checkpoint(
     Every process writes its tensor shards (torch.distributed.checkpoint, a
     collective over `group` when ``world_size > 1``) and its ``rank-N.pt``;
     rank 0 writes ``ember.pt`` and, once all files are fsynced, renames the
-    directory into place.
+    directory into place. The processes agree on the outcome of each phase, so
+    a failure on one (a full disk) is raised on all, never a hang.
     """
-    import torch.distributed as dist
-
     if world_size == 1:
         return stage_checkpoint(path, meta, tensors, rank_meta, set_last).finish()
-
-    def barrier() -> None:
-        dist.barrier(group=group)
-
-    tmp = path.with_name(f".{path.name}.tmp")  # one temporary name all processes agree on
     if path.exists():
         raise FileExistsError(f"checkpoint {path} already exists; ember never overwrites a checkpoint")
+    tmp = _temporary_name(path, _broadcast_int(os.getpid(), group))  # one name all processes agree on
+    failure: BaseException | None = None
     if rank == 0:
-        _make_temporary(path, tmp)
-    barrier()
-    try:
-        _write_files(tmp, meta, tensors, rank_meta, rank, world_size, group, sync=True)
-        barrier()
-        if rank == 0:
-            StagedCheckpoint(path, tmp, [], set_last).finish()
-        barrier()  # every process returns once the checkpoint (and `last`) is in place
-    except BaseException as exc:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        _raise_write_error(path, exc)
-    return path
+        try:
+            _make_temporary(path, tmp)
+        except BaseException as exc:
+            failure = exc
+    if not _any_failed(failure, group):
+        try:
+            _write_files(path, tmp, meta, tensors, rank_meta, rank, world_size, group, sync=True)
+        except BaseException as exc:
+            failure = exc
+        if not _any_failed(failure, group) and rank == 0:
+            try:
+                StagedCheckpoint(path, tmp, [], set_last).finish()
+            except BaseException as exc:
+                failure = exc
+        if not _any_failed(failure, group):  # every process returns once the checkpoint (and `last`) is in place
+            return path
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if failure is None:
+        raise CheckpointWriteError(f"writing checkpoint {path} failed on another process (its error says why)")
+    _raise_write_error(path, failure, _bytes_of(tensors))
+
+
+def _broadcast_int(value: int, group: Any) -> int:
+    import torch.distributed as dist
+
+    box = torch.tensor([value], dtype=torch.int64)
+    dist.broadcast(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return int(box)
+
+
+def _any_failed(failure: BaseException | None, group: Any) -> bool:
+    """Whether this or any other process of `group` failed (a collective: every process must call it)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([0 if failure is None else 1], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag)
 
 
 def _remove_abandoned_temporaries(directory: Path) -> None:
@@ -280,25 +378,55 @@ def point_last_at(checkpoint: Path) -> None:
 
 # --- reading ---------------------------------------------------------------------------------
 
+#: The largest ``last`` file read (it holds one directory name).
+_POINTER_BYTES = 4096
+
+
+def read_regular(file: Path, what: str, limit: int | None = None) -> bytes:
+    """The bytes of `file`, which must be a regular file; anything else is a `CheckpointError` naming it.
+
+    Opened without blocking and checked before reading: a FIFO, device or directory planted under a
+    checkpoint's name is refused instead of hanging or failing with a raw OS error. `what` names the
+    checkpoint (or folder) in messages.
+    """
+    try:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} is incomplete: {file.name} is missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"{what}: cannot read {file.name} ({exc.strerror or exc})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{what}: {file.name} is not a regular file")
+        if limit is not None and info.st_size > limit:
+            raise CheckpointError(f"{what}: {file.name} is {info.st_size} bytes, more than a checkpoint's {limit}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise CheckpointError(f"{what}: cannot read {file.name} ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
+
 
 def read_metadata(path: Path) -> Any:
     """The checkpoint's tensor metadata, through the restricted unpickler."""
-    file = path / ".metadata"
+    data = read_regular(path / ".metadata", f"checkpoint {path}")
     try:
-        data = file.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} is incomplete: {file.name} is missing") from None
-    try:
-        return unpickle_metadata(data)
+        metadata = unpickle_metadata(data)
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {path}: {file.name} is corrupt or not a checkpoint ({exc})") from None
+        raise CheckpointError(f"checkpoint {path}: .metadata is corrupt or not a checkpoint ({exc})") from None
+    if not isinstance(getattr(metadata, "state_dict_metadata", None), dict) or not isinstance(
+        getattr(metadata, "storage_data", None), dict
+    ):
+        raise CheckpointError(f"checkpoint {path}: .metadata is not torch.distributed.checkpoint metadata")
+    return metadata
 
 
 def _load_safe(file: Path) -> Any:
+    data = read_regular(file, f"checkpoint {file.parent}")
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {file.parent} is incomplete: {file.name} is missing") from None
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
@@ -306,19 +434,52 @@ def _load_safe(file: Path) -> Any:
         ) from None
 
 
-def read_meta(path: Path) -> dict[str, Any]:
-    """Read and check ``ember.pt`` (format version included)."""
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist (expected a checkpoint directory)")
-    meta = _load_safe(path / META_FILE)
+#: Fields of ``ember.pt`` and the types they must have (None: the field may be absent).
+_META_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "format_version": ((int,), True),
+    "tensor_skeleton": ((dict,), True),
+    "state": ((dict,), True),
+    "weights_only": ((bool,), False),
+    "world_size": ((int,), False),
+    "hparams": ((dict,), False),
+    "config": ((dict, type(None)), False),
+    "module_class": ((str, type(None)), False),
+}
+
+
+def _check_meta(path: Path, meta: Any) -> dict[str, Any]:
+    """``ember.pt``'s fields have the types ember wrote; anything else is a `CheckpointError` naming the field."""
     if not isinstance(meta, dict) or "format_version" not in meta:
         raise CheckpointError(f"checkpoint {path}: {META_FILE} is not an ember checkpoint")
+    for field, (types, required) in _META_FIELDS.items():
+        if field not in meta:
+            if required:
+                raise CheckpointError(f"checkpoint {path}: {META_FILE} lacks {field!r}; it is damaged or not ember's")
+            continue
+        value = meta[field]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            expected = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+            raise CheckpointError(
+                f"checkpoint {path}: {META_FILE} field {field!r} is {type(value).__name__} {value!r:.60}, "
+                f"expected {expected}; the file is damaged or not ember's"
+            )
     if meta["format_version"] > FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint {path} has format version {meta['format_version']}, newer than this ember "
             f"understands ({FORMAT_VERSION}); upgrade ember to load it"
         )
+    if meta["format_version"] < 1 or meta.get("world_size", 1) < 1:
+        raise CheckpointError(f"checkpoint {path}: {META_FILE} holds impossible values; the file is damaged")
+    if not isinstance(meta["tensor_skeleton"].get("module"), dict):
+        raise CheckpointError(f"checkpoint {path}: {META_FILE} describes no module weights; the file is damaged")
     return meta
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """Read and check ``ember.pt`` (format version and field types included)."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist (expected a checkpoint directory)")
+    return _check_meta(path, _load_safe(path / META_FILE))
 
 
 def read_rank_meta(path: Path, rank: int = 0) -> dict[str, Any]:
@@ -354,27 +515,47 @@ def read_tensors(path: Path, keys: Callable[[str], bool] = lambda _k: True) -> d
 
 
 def _check_shard_files(path: Path, metadata: Any) -> None:
-    """Every tensor's bytes must lie inside an existing shard file (catches truncation and deletion)."""
+    """Every tensor's bytes must lie inside an existing regular shard file (catches truncation, deletion and
+    planted FIFOs) in the checkpoint directory itself."""
     for info in metadata.storage_data.values():
-        file = path / info.relative_path
-        if not file.exists():
-            raise CheckpointError(f"checkpoint {path} is incomplete: shard {info.relative_path} is missing")
-        if file.stat().st_size < info.offset + info.length:
-            raise CheckpointError(f"checkpoint {path}: shard {info.relative_path} is truncated")
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or not _is_plain_name(name):
+            raise CheckpointError(f"checkpoint {path}: .metadata names a shard outside the checkpoint ({name!r})")
+        try:
+            mode = os.stat(path / name)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {path} is incomplete: shard {name} is missing") from None
+        if not stat.S_ISREG(mode.st_mode):
+            raise CheckpointError(f"checkpoint {path}: shard {name} is not a regular file")
+        if mode.st_size < info.offset + info.length:
+            raise CheckpointError(f"checkpoint {path}: shard {name} is truncated")
+
+
+def _is_plain_name(name: str) -> bool:
+    """A file or directory name inside one folder: no separators, not hidden, not ``.``/``..``."""
+    return bool(name) and "/" not in name and "\\" not in name and not name.startswith(".") and "\0" not in name
+
+
+def join_checked(path: Path, skeleton: Any, tensors: dict[str, Tensor]) -> Any:
+    """`join_tensors`, with a skeleton that names a tensor the files lack reported as a `CheckpointError`."""
+    try:
+        return join_tensors(skeleton, tensors)
+    except KeyError as exc:
+        raise CheckpointError(f"checkpoint {path}: {META_FILE} names tensor {exc} that the shards lack") from None
 
 
 def read_module_state(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """(ember.pt content, the module's state dict) without reading optimizer state."""
     meta = read_meta(path)
     tensors = read_tensors(path, keys=lambda key: key.startswith("/module/"))
-    return meta, join_tensors(meta["tensor_skeleton"]["module"], tensors)
+    return meta, join_checked(path, meta["tensor_skeleton"]["module"], tensors)
 
 
 def load_weights_into(
-    module: Any, state: dict[str, Tensor], path: Path, module_class: str | None, load: Any = None
+    module: Any, state: dict[str, Tensor], path: Path, module_class: str | None, load: Any = None, hint: str = ""
 ) -> None:
     """``module.load_state_dict(state)`` (or ``load(module, state)``) with an error naming the first
-    missing/unexpected keys or mismatched shapes."""
+    missing/unexpected keys or mismatched shapes, followed by `hint` (see `mismatch_hint`)."""
     own = module.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
@@ -382,16 +563,76 @@ def load_weights_into(
         raise CheckpointError(
             f"checkpoint {path} holds a different module ({module_class}) than {type(module).__qualname__}: "
             + _describe_keys(missing, unexpected, list(own))
+            + hint
         )
     for key, value in state.items():
         if own[key].shape != value.shape:
             raise CheckpointError(
                 f"checkpoint {path}: {key} has shape {tuple(value.shape)}, the module expects {tuple(own[key].shape)}"
+                + hint
             )
     if load is not None:
         load(module, state)
     else:
         module.load_state_dict(state)
+
+
+def mismatch_hint(meta: dict[str, Any], given_config: dict[str, Any] | None, hparams: dict[str, Any]) -> str:
+    """What would make the module fit the checkpoint, as text to append to the error: for a run built from a
+    config, the ``module.*`` overrides it was trained with; else the hyperparameters; "" when neither differs."""
+    saved = meta.get("config")
+    found: list[tuple[str, Any]] = []
+    if isinstance(saved, dict) and isinstance(given_config, dict):
+        found = [
+            (key, old)
+            for key, old, _ in differences(saved.get("module"), given_config.get("module"), "module")
+            if old is not None and not key.endswith("._target_")
+        ]
+    trained = meta.get("hparams")
+    if not found and isinstance(trained, dict) and hparams:
+        prefix = "module" if given_config is not None else ""
+        found = [(key, old) for key, old, _ in differences(trained, dict(hparams), prefix) if old is not None]
+        if found and given_config is None:
+            values = ", ".join(f"{key}={value!r}" for key, value in found)
+            return f"; it was trained with {values}: build the module with those (or use load_from_checkpoint)"
+    if not found:
+        return ""
+    overrides = " ".join(f"{key}={_as_override(value)}" for key, value in found)
+    return f"; it was trained with other module settings: add the override(s) {overrides}"
+
+
+def _as_override(value: Any) -> str:
+    """A value as it is written on the ``ember`` command line (YAML)."""
+    import json
+
+    try:
+        return json.dumps(value) if not isinstance(value, str) or not value.isidentifier() else value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+_MISSING = object()
+
+
+def differences(saved: Any, given: Any, key: str = "") -> list[tuple[str, Any, Any]]:
+    """``(dotted key, saved value, given value)`` for every leaf where two nested dicts differ (a value
+    missing on one side is None there). The values are data: compared and shown, never built."""
+    if isinstance(saved, dict) and isinstance(given, dict):
+        found: list[tuple[str, Any, Any]] = []
+        for name in sorted(set(saved) | set(given), key=str):
+            sub = f"{key}.{name}" if key else str(name)
+            found += differences(saved.get(name, _MISSING), given.get(name, _MISSING), sub)
+        return found
+    if saved is given or (saved is not _MISSING and given is not _MISSING and _same(saved, given)):
+        return []
+    return [(key, None if saved is _MISSING else saved, None if given is _MISSING else given)]
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # e.g. tensors of different shapes
+        return False
 
 
 def _describe_keys(missing: list[str], unexpected: list[str], valid: list[str]) -> str:
@@ -408,46 +649,84 @@ def _describe_keys(missing: list[str], unexpected: list[str], valid: list[str]) 
     return "; ".join(parts)
 
 
+# --- finding checkpoints -----------------------------------------------------------------------
+
+
+def read_pointer(pointer: Path) -> Path:
+    """The checkpoint a ``last`` file names: a sibling directory name, nothing else (no path, no ``..``)."""
+    data = read_regular(pointer, f"checkpoint pointer {pointer}", limit=_POINTER_BYTES)
+    try:
+        name = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"checkpoint pointer {pointer} is not text; it is damaged or not ember's") from None
+    if not _is_plain_name(name):
+        raise CheckpointError(
+            f"checkpoint pointer {pointer} names {name[:80]!r}, not a checkpoint directory beside it; it is damaged"
+        )
+    return pointer.parent / name
+
+
+def resolve_path(path: Path) -> Path:
+    """A checkpoint given by the user: its directory, or a ``last`` file (the one it names); checked complete."""
+    if path.name == LAST_FILE and not path.is_dir():
+        path = read_pointer(path)
+    check_complete(path)
+    return path
+
+
 def check_complete(path: Path) -> dict[str, Any]:
     """Cheap validation of a checkpoint directory (metadata, shards, ember.pt); returns its meta."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist (expected a checkpoint directory)")
     _check_shard_files(path, read_metadata(path))
     meta = read_meta(path)
     read_rank_meta(path, 0)
     return meta
 
 
-# --- finding checkpoints -----------------------------------------------------------------------
-
-
 def checkpoints_in(directory: Path) -> list[Path]:
-    """Complete-looking checkpoint directories in `directory` (temporary ones excluded)."""
+    """Checkpoint directories in `directory` (temporary ones excluded), not yet checked."""
     if not directory.is_dir():
         return []
     return [p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / META_FILE).exists()]
 
 
-def newest_valid(directory: Path) -> Path | None:
-    """The checkpoint ``last`` names, or, when that one is missing or corrupt, the newest valid other one."""
+def newest_valid(directory: Path, resumable: bool = False) -> Path | None:
+    """The checkpoint ``last`` names, or, when that one is missing or unusable, the newest valid other one.
+
+    With `resumable`, checkpoints that hold weights only are passed over (they cannot resume training).
+    Every checkpoint passed over is named in a warning; none stops the search.
+    """
     candidates: list[Path] = []
-    pointer = directory / LAST_FILE
     named: Path | None = None
-    if pointer.exists():
-        named = directory / pointer.read_text(encoding="utf-8").strip()
-        candidates.append(named)
-    by_step: list[tuple[int, Path]] = []
+    pointer = directory / LAST_FILE
+    if os.path.lexists(pointer):
+        try:
+            named = read_pointer(pointer)
+            candidates.append(named)
+        except CheckpointError as exc:
+            warnings.warn(f"skipping checkpoint: {exc}", RuntimeWarning, stacklevel=2)
+    by_step: list[tuple[int, str, Path]] = []
     for path in checkpoints_in(directory):
         if path != named:
             try:
-                progress = read_meta(path).get("state", {}).get("progress", {})
-                by_step.append((int(progress.get("global_step", -1)), path))
-            except (CheckpointError, TypeError, ValueError):
-                continue
-    candidates += [p for _, p in sorted(by_step, key=lambda sp: sp[0], reverse=True)]
+                progress = read_meta(path)["state"].get("progress", {})
+                step = progress.get("global_step", -1) if isinstance(progress, dict) else -1
+                by_step.append((step if isinstance(step, int) else -1, path.name, path))
+            except CheckpointError as exc:
+                warnings.warn(f"skipping checkpoint: {exc}", RuntimeWarning, stacklevel=2)
+    candidates += [p for _, _, p in sorted(by_step, reverse=True)]
     for path in candidates:
         try:
-            check_complete(path)
+            meta = check_complete(path)
         except CheckpointError as exc:
             warnings.warn(f"skipping checkpoint: {exc}", RuntimeWarning, stacklevel=2)
+            continue
+        if resumable and meta.get("weights_only"):
+            warnings.warn(
+                f"skipping checkpoint {path}: it holds weights only and cannot resume training", RuntimeWarning,
+                stacklevel=2,
+            )  # fmt: skip
             continue
         return path
     return None

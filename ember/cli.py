@@ -79,11 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 EXPORT_EPILOG = """\
-The module is rebuilt from the config saved in the checkpoint (else the -c config) and loads the
-checkpoint's weights. The example input is the module's example_input_array, else the first rows of a
-batch of the data. The artifact is checked against the PyTorch module before it is moved into place;
-a mismatch is an error (exit 1) and leaves no file. Exit code 2: a config, checkpoint or command-line
-mistake. See docs/export.md.
+A checkpoint is data: nothing it names is imported or run. The module is built from the -c config (or
+the --module class with the checkpoint's saved hyperparameters) and loads the checkpoint's weights;
+differences from the config recorded in the checkpoint are reported. The example input is the module's
+example_input_array, else the first rows of a batch of the data. The artifact is checked against the
+PyTorch module before it is moved into place; a mismatch is an error (exit 1) and leaves no file.
+Exit code 2: a config, checkpoint or command-line mistake. See docs/export.md.
 """
 
 
@@ -100,7 +101,22 @@ def add_export_parser(commands: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub.add_argument("--ckpt", required=True, metavar="last|PATH", help="a checkpoint; 'last': the run's newest")
-    sub.add_argument("-c", "--config", action="append", default=[], metavar="FILE", help="the run's YAML config")
+    sub.add_argument(
+        "-c", "--config", action="append", default=[], metavar="FILE", help="the run's YAML config (builds the module)"
+    )
+    sub.add_argument(
+        "--module",
+        metavar="CLASS",
+        help="without -c: the TrainingModule class to load the checkpoint into (e.g. my_project.models.Net), "
+        "built with the checkpoint's saved hyperparameters",
+    )
+    sub.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="without -c: rebuild the module (and data) from the config recorded in the checkpoint. This imports "
+        "and runs the classes the file names: use it only for checkpoints you trust. Only TrainingModule and "
+        "DataModule subclasses with plain-data arguments are built",
+    )
     sub.add_argument("--format", required=True, choices=list(FORMATS), help="what to write")
     sub.add_argument("--out", required=True, metavar="DIR", help="folder for the artifact")
     sub.add_argument("--name", metavar="NAME", help="file name without suffix (default: the run name)")
@@ -113,16 +129,19 @@ def add_export_parser(commands: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ember`` and ``python -m ember``; returns the exit code."""
+    from ember.checkpoint import CheckpointError, CheckpointWriteError
     from ember.config import ConfigError
 
     args, overrides = build_parser().parse_known_args(argv)
     try:
         return _main(args, overrides)
-    except ConfigError as exc:
+    except (ConfigError, CheckpointError) as exc:
+        # A config or checkpoint the user gave that cannot be used: exit 2. A checkpoint that could not be
+        # written (a full disk): exit 1. Either way one line; the previous checkpoint is intact.
         if args.debug:
             traceback.print_exc()
         print(f"ember: error: {exc}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, CheckpointWriteError) else 2
     except KeyboardInterrupt:
         print("ember: interrupted; `--resume last` continues from the last checkpoint", file=sys.stderr)
         return 130
@@ -173,20 +192,19 @@ def build(config: dict[str, Any]) -> tuple[Trainer, TrainingModule, DataModule]:
 
     if config["seed"] is not None:
         ember.seed_everything(config["seed"])
+    from ember.loggers.logger import Logger
+    from ember.strategies.strategy import Strategy
+
     options = dict(config["trainer"])
-    for key in ("callbacks", "logger", "strategy"):
-        options[key] = instantiate(options[key], f"trainer.{key}")
+    bases = {"callbacks": ember.Callback, "logger": Logger, "strategy": Strategy}
+    for key, base in bases.items():
+        options[key] = instantiate(options[key], f"trainer.{key}", base=base)
     try:
         trainer = ember.Trainer(**options)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise ConfigError(f"trainer: {exc}") from exc
-    module = instantiate(config["module"], "module")
-    data = instantiate(config["data"], "data")
-    for key, value, cls in (("module", module, ember.TrainingModule), ("data", data, ember.DataModule)):
-        if not isinstance(value, cls):
-            raise ConfigError(
-                f"{key}: {config[key]['_target_']} built a {type(value).__qualname__}, not an ember.{cls.__name__}"
-            )
+    module = instantiate(config["module"], "module", base=ember.TrainingModule)
+    data = instantiate(config["data"], "data", base=ember.DataModule)
     if config["optimizer"] is not None:
         module.optimizer_config = {"optimizer": config["optimizer"], "lr_scheduler": config["lr_scheduler"]}
     trainer.run_config = config
@@ -243,16 +261,19 @@ def export(args: argparse.Namespace, overrides: list[str]) -> int:
     config.add_import_roots(args.config)
     resolved = None
     if args.config:
+        if args.module or args.trust_checkpoint:
+            option = "--module" if args.module else "--trust-checkpoint"
+            raise config.ConfigError(f"{option}: the -c config builds the module already; give one of them")
         loaded = config.load(args.config, overrides)
         resolved = config.resolve(loaded)
         config.check(loaded, resolved)
     elif overrides:
         raise config.ConfigError(f"command line: {overrides[0]!r}: overrides change a config; give one with -c FILE")
     start = time.perf_counter()
-    path = find_checkpoint(args.ckpt, resolved)
-    module, saved = rebuild_module(path, resolved)
-    example = example_input(module, (resolved or saved or {}).get("data"))
-    name = args.name or (resolved or saved or {}).get("trainer", {}).get("run_name") or run_name(type(module))
+    path = find_checkpoint(args.ckpt, resolved, args.module)
+    module, data_config = rebuild_module(path, resolved, args.module, args.trust_checkpoint)
+    example = example_input(module, (data_config or {}).get("data"))
+    name = args.name or (resolved or {}).get("trainer", {}).get("run_name") or run_name(type(module))
     out = Path(args.out) / f"{name}{FORMATS[args.format]}"
     try:
         result = export_module(

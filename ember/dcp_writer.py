@@ -29,6 +29,8 @@ import os
 import pickle
 import sys
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -37,6 +39,75 @@ from torch import Tensor
 
 DATA_FILE = "__0_0.distcp"
 METADATA_FILE = ".metadata"
+
+
+class GuardedFile:
+    """A binary file whose ``write`` never raises into torch's C++ serializer.
+
+    ``torch.save`` and `save_tensor` write through a C++ stream writer; when a write fails (ENOSPC),
+    the exception leaves that writer unfinished, and its destructor then throws again, which aborts
+    the whole process (``terminate called after throwing an instance of 'c10::Error'``). This wrapper
+    records the first `OSError`, pretends every later write succeeded (so the writer finishes
+    normally), and `check` raises the recorded error once the writer is done with the file.
+    """
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw = raw
+        self.error: OSError | None = None
+        self._lost = 0  # bytes pretended written after the error
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        if self.error is None:
+            try:
+                self.raw.write(data)
+                return size
+            except OSError as exc:
+                self.error = exc
+        self._lost += size
+        return size
+
+    def tell(self) -> int:
+        return self.raw.tell() + self._lost
+
+    def flush(self) -> None:
+        if self.error is None:
+            try:
+                self.raw.flush()
+            except OSError as exc:
+                self.error = exc
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    @property
+    def name(self) -> Any:
+        return self.raw.name
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        """Flush only: the file is closed by whoever opened it (`guarded_open`)."""
+        self.flush()
+
+    def check(self) -> None:
+        """Raise the first write error, if any (call after the serializer is finished)."""
+        if self.error is not None:
+            raise self.error
+
+
+@contextmanager
+def guarded_open(path: Path, sync: bool) -> Iterator[GuardedFile]:
+    """``open(path, "wb")`` as a `GuardedFile`: flushed (and fsynced with `sync`) on success; its write
+    error raised once the block is done."""
+    with open(path, "wb") as raw:
+        f = GuardedFile(raw)
+        yield f
+        f.flush()
+        f.check()
+        if sync:
+            os.fsync(raw.fileno())
 
 
 def can_write(tensors: dict[str, Tensor]) -> bool:
@@ -75,10 +146,10 @@ def _layout(tensor: Tensor) -> tuple[Any, ...] | None:
     return (tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset(), storage_bytes, metadata, options)
 
 
-def _records(f: IO[bytes], pickled: bytes, tensor: Tensor) -> None:
+def _records(f: IO[bytes] | GuardedFile, pickled: bytes, tensor: Tensor) -> None:
     """The records of ``torch.save(tensor, f)``, in its order, with the pickle given."""
     options = (torch.serialization.get_crc32_options(), torch.serialization._get_storage_alignment())
-    writer = torch._C.PyTorchFileWriter(f, *options)
+    writer = torch._C.PyTorchFileWriter(cast(IO[bytes], f), *options)
     alignment, byteorder = str(options[1]).encode(), sys.byteorder.encode()
     writer.write_record("data.pkl", pickled, len(pickled))
     writer.write_record(".format_version", b"1", 1)
@@ -100,14 +171,14 @@ def _learn(tensor: Tensor) -> bytes | None:
     return pickled if candidate.getvalue() == expected else None
 
 
-def save_tensor(tensor: Tensor, f: IO[bytes]) -> None:
+def save_tensor(tensor: Tensor, f: IO[bytes] | GuardedFile) -> None:
     """Write exactly what ``torch.save(tensor, f)`` writes (without its flush), faster for a repeated layout."""
     layout = _layout(tensor)
     if layout is not None and layout not in _PICKLED and len(_PICKLED) < _MAX_LAYOUTS:
         _PICKLED[layout] = _learn(tensor)
     pickled = None if layout is None else _PICKLED.get(layout)
     if pickled is None:
-        torch.save(tensor, f)
+        torch.save(tensor, cast(IO[bytes], f))
     else:
         _records(f, pickled, tensor)
 
@@ -127,7 +198,7 @@ def write_tensors(directory: Path, tensors: dict[str, Tensor], fsync: bool = Tru
 
     state_md: dict[str, TensorStorageMetadata] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
-    with open(directory / DATA_FILE, "wb") as f:
+    with guarded_open(directory / DATA_FILE, fsync) as f:
         for key, value in tensors.items():
             tensor = _whole(value)
             start = f.tell()
@@ -139,9 +210,6 @@ def write_tensors(directory: Path, tensors: dict[str, Tensor], fsync: bool = Tru
                 chunks=[ChunkStorageMetadata(offsets=offsets, sizes=tensor.size())],
             )
             storage[MetadataIndex(key, offsets, 0)] = _StorageInfo(DATA_FILE, start, f.tell() - start)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
     metadata = Metadata(
         state_dict_metadata=dict(state_md),
         planner_data={key: (key,) for key in tensors},
@@ -149,8 +217,5 @@ def write_tensors(directory: Path, tensors: dict[str, Tensor], fsync: bool = Tru
         storage_meta=StorageMeta(checkpoint_id=directory, save_id=str(uuid.uuid4())),
         version=getattr(filesystem, "CURRENT_DCP_VERSION", "1.0.0"),
     )
-    with open(directory / METADATA_FILE, "wb") as f:
+    with guarded_open(directory / METADATA_FILE, fsync) as f:
         pickle.dump(metadata, f)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())

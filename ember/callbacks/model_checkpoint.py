@@ -19,6 +19,14 @@ if TYPE_CHECKING:
 _FIELD = re.compile(r"\{([^{}:]+)(?::([^{}]*))?\}")
 
 
+def _is_checkpoint_name(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and not name.startswith(".") and "/" not in name
+
+
+def _score_or_none(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 class ModelCheckpoint(Callback):
     """Saves checkpoints during fit and keeps the best ones.
 
@@ -112,11 +120,40 @@ class ModelCheckpoint(Callback):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.kept = dict(state["kept"])
-        self.best_model_path = state["best_model_path"]
-        self.best_model_score = state["best_model_score"]
-        self.last_model_path = state["last_model_path"]
-        self._last_saved_step = state["last_saved_step"]
+        """Restore the ranking from a checkpoint, keeping only checkpoints in this callback's `dirpath`.
+
+        The paths come from a file, so they are data: an entry outside `dirpath` (a checkpoint of another
+        run this one was started from, or anything a crafted file names) is forgotten, never evicted.
+        """
+        kept = state["kept"]
+        if not isinstance(kept, dict):
+            raise TypeError(f"ModelCheckpoint state 'kept' is {type(kept).__name__}, expected a dict")
+        self.kept = {p: _score_or_none(s) for p, s in kept.items() if self._owns(p)}
+        best = state["best_model_path"]
+        if isinstance(best, str) and self._owns(best):
+            self.best_model_path, self.best_model_score = best, _score_or_none(state["best_model_score"])
+        last = state["last_model_path"]
+        self.last_model_path = last if isinstance(last, str) and self._owns(last) else ""
+        step = state["last_saved_step"]
+        self._last_saved_step = step if isinstance(step, int) else -1
+
+    def _owns(self, path: str) -> bool:
+        """Whether `path` names a checkpoint directory directly inside `dirpath` (by resolved path; a
+        symlink never counts): the only places this callback may ever delete."""
+        if self.dirpath is None or not isinstance(path, str) or not path:
+            return False
+        candidate = Path(path)
+        if not _is_checkpoint_name(candidate.name):
+            return False
+        try:
+            return candidate.parent.resolve() == self.dirpath.resolve() and not candidate.is_symlink()
+        except (OSError, RuntimeError):
+            return False
+
+    def _remove(self, path: str) -> None:
+        """Delete an evicted checkpoint of this callback; anything else is left alone."""
+        if self._owns(path) and (Path(path) / "ember.pt").exists():
+            shutil.rmtree(path, ignore_errors=True)
 
     # --- triggers -----------------------------------------------------------------
     def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
@@ -191,7 +228,12 @@ class ModelCheckpoint(Callback):
         return a < b if self.mode == "min" else a > b
 
     def _save(self, trainer: Trainer, force_last: bool = False) -> None:
-        """Save now; with `force_last` (a stop or preemption) also before the monitored metric exists."""
+        """Save now; with `force_last` (a stop or preemption) also before the monitored metric exists.
+
+        Nothing is saved under ``fast_dev_run``: its one-step model must never become `last` or `best`.
+        """
+        if trainer.fast_dev_run:
+            return
         ranked = not (force_last and self.monitor is not None and self.monitor not in trainer.callback_metrics)
         score = self._score(trainer) if ranked else None
         if score is not None and math.isnan(score):
@@ -223,7 +265,7 @@ class ModelCheckpoint(Callback):
             stale = [*evicted, previous_last]
             for old in stale:
                 if old and old not in self.kept and old != self.last_model_path:
-                    shutil.rmtree(old, ignore_errors=True)
+                    self._remove(old)
 
         trainer.save_checkpoint(
             path,

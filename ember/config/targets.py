@@ -11,12 +11,24 @@ import typing
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from omegaconf import OmegaConf
 
 from ember.config.schema import ConfigError, describe_type, lookup, split_key
 
 if TYPE_CHECKING:
     from ember.config.loading import LoadedConfig
+
+#: What an ``optimizer`` section must build.
+OPTIMIZER_BASE = torch.optim.Optimizer
+
+
+def scheduler_bases() -> tuple[type, ...]:
+    """What an ``lr_scheduler`` section must build: a torch LR scheduler (ReduceLROnPlateau included)."""
+    from torch.optim import lr_scheduler
+
+    return (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau)
+
 
 #: Keys of an ``lr_scheduler`` section that say when it steps; they are not scheduler arguments.
 SCHEDULER_OPTIONS = ("interval", "frequency", "monitor", "strict", "name")
@@ -53,7 +65,13 @@ def import_target(path: str) -> Any:
 
 
 def check_target(
-    loaded: LoadedConfig, spec: Any, key: str, *, skip: int = 0, base: type | None = None, reserved: Sequence[str] = ()
+    loaded: LoadedConfig,
+    spec: Any,
+    key: str,
+    *,
+    skip: int = 0,
+    base: type | tuple[type, ...] | None = None,
+    reserved: Sequence[str] = (),
 ) -> None:
     """Check a ``_target_`` section: importable, callable, its kwargs accepted by the signature.
 
@@ -74,13 +92,42 @@ def check_target(
         raise loaded.error(f"{key}._target_", f"cannot import {target}: {exc}") from exc
     if not callable(obj):
         raise loaded.error(f"{key}._target_", f"{target} is not a class or function")
-    if base is not None and inspect.isclass(obj) and not issubclass(obj, base):
-        raise loaded.error(f"{key}._target_", f"{target} is not a subclass of {base.__module__}.{base.__qualname__}")
+    problem = wrong_kind(obj, target, base)
+    if problem is not None:
+        raise loaded.error(f"{key}._target_", problem)
     kwargs = {k: v for k, v in spec.items() if k != "_target_" and k not in reserved}
     _check_signature(loaded, obj, target, kwargs, key, skip)
     for name, value in kwargs.items():
         for sub_key, sub in _nested_targets(f"{key}.{name}", value):
             check_target(loaded, sub, sub_key)
+
+
+def public_name(cls: type) -> str:
+    """``ember.TrainingModule`` rather than ``ember.modules.module.TrainingModule``, where ember exports it."""
+    import sys
+
+    for package in ("ember", "ember.callbacks", "ember.loggers", "ember.strategies"):
+        if getattr(sys.modules.get(package), cls.__name__, None) is cls:
+            return f"{package}.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def wrong_kind(obj: Any, target: str, base: type | tuple[type, ...] | None) -> str | None:
+    """Why `obj` (imported from `target`) cannot be built where a `base` subclass is expected; None if it can.
+
+    Checked before anything is called: a ``_target_`` naming a function (``os.system``) for a module,
+    data, strategy, logger or callback section is refused without running it.
+    """
+    if base is None:
+        return None
+    bases = base if isinstance(base, tuple) else (base,)
+    names = " or ".join(public_name(b) for b in bases)
+    if not inspect.isclass(obj):
+        kind = "a function" if inspect.isroutine(obj) else f"a {type(obj).__qualname__} object"
+        return f"{target} is {kind}, not a class deriving from {names}"
+    if not issubclass(obj, bases):
+        return f"{target} is not a subclass of {names}"
+    return None
 
 
 def _nested_targets(key: str, value: Any) -> list[tuple[str, Any]]:
@@ -186,7 +233,9 @@ def check(loaded: LoadedConfig, config: dict[str, Any], command: str | None = No
     elif not isinstance(logger, bool) and logger is not None:
         raise loaded.error("trainer.logger", f"expected true, false or a list of _target_ sections, got {logger!r}")
     if isinstance(trainer["strategy"], dict):
-        check_target(loaded, trainer["strategy"], "trainer.strategy")
+        from ember.strategies.strategy import Strategy
+
+        check_target(loaded, trainer["strategy"], "trainer.strategy", base=Strategy)
     elif not isinstance(trainer["strategy"], str):
         raise loaded.error("trainer.strategy", f"expected a name or a _target_ section, got {trainer['strategy']!r}")
     _check_optimizer_sections(loaded, config, TrainingModule)
@@ -197,9 +246,11 @@ def _check_optimizer_sections(loaded: LoadedConfig, config: dict[str, Any], base
         if config["lr_scheduler"] is not None:
             raise loaded.error("lr_scheduler", "a scheduler needs an optimizer section too")
         return
-    check_target(loaded, config["optimizer"], "optimizer", skip=1)
+    check_target(loaded, config["optimizer"], "optimizer", skip=1, base=OPTIMIZER_BASE)
     if config["lr_scheduler"] is not None:
-        check_target(loaded, config["lr_scheduler"], "lr_scheduler", skip=1, reserved=SCHEDULER_OPTIONS)
+        check_target(
+            loaded, config["lr_scheduler"], "lr_scheduler", skip=1, reserved=SCHEDULER_OPTIONS, base=scheduler_bases()
+        )
     module_cls = import_target(config["module"]["_target_"])
     if inspect.isclass(module_cls) and module_cls.configure_optimizers is not base.configure_optimizers:  # type: ignore[attr-defined]
         raise loaded.error(
@@ -209,21 +260,48 @@ def _check_optimizer_sections(loaded: LoadedConfig, config: dict[str, Any], base
         )
 
 
-def instantiate(spec: Any, key: str) -> Any:
+def instantiate(spec: Any, key: str, base: type | tuple[type, ...] | None = None) -> Any:
     """Build ``_target_(**kwargs)`` (nested ``_target_`` sections first); other values pass through.
 
-    A constructor that raises becomes a `ConfigError` naming `key` (the original is its cause).
+    With `base`, the target must be a class deriving from it (for a list, every entry), checked before
+    anything is called. A constructor that raises becomes a `ConfigError` naming `key` (the original is its
+    cause).
     """
     if isinstance(spec, list):
-        return [instantiate(v, f"{key}[{i}]") for i, v in enumerate(spec)]
+        return [instantiate(v, f"{key}[{i}]", base) for i, v in enumerate(spec)]
     if not isinstance(spec, dict) or "_target_" not in spec:
         return spec
     target = spec["_target_"]
+    try:
+        factory = import_target(str(target))
+    except ImportError as exc:
+        raise ConfigError(f"{key}._target_: cannot import {target}: {exc}") from exc
+    problem = wrong_kind(factory, str(target), base)
+    if problem is not None:
+        raise ConfigError(f"{key}._target_: {problem}")
     kwargs = {k: instantiate(v, f"{key}.{k}") for k, v in spec.items() if k != "_target_"}
     try:
-        return import_target(target)(**kwargs)
+        return factory(**kwargs)
     except Exception as exc:
         raise ConfigError(f"{key}: {target}(...) raised {type(exc).__name__}: {exc}") from exc
+
+
+def nested_target(spec: Any, key: str) -> str | None:
+    """The key of the first ``_target_`` nested anywhere inside `spec`'s arguments, or None (plain data)."""
+    items: list[tuple[str, Any]]
+    if isinstance(spec, dict):
+        items = [(f"{key}.{k}", v) for k, v in spec.items() if k != "_target_"]
+    elif isinstance(spec, list):
+        items = [(f"{key}[{i}]", v) for i, v in enumerate(spec)]
+    else:
+        return None
+    for sub_key, value in items:
+        if isinstance(value, dict) and "_target_" in value:
+            return sub_key
+        found = nested_target(value, sub_key)
+        if found is not None:
+            return found
+    return None
 
 
 def build_optimizers(params: Iterable[Any], sections: dict[str, Any]) -> Any:
@@ -233,11 +311,20 @@ def build_optimizers(params: Iterable[Any], sections: dict[str, Any]) -> Any:
     interval/frequency/monitor/...} or None}``.
     """
     spec = dict(sections["optimizer"])
-    optimizer = import_target(spec.pop("_target_"))(params, **spec)
+    target = spec.pop("_target_")
+    factory = import_target(target)
+    problem = wrong_kind(factory, target, OPTIMIZER_BASE)
+    if problem is not None:
+        raise ConfigError(f"optimizer._target_: {problem}")
+    optimizer = factory(params, **spec)
     sched_spec = sections.get("lr_scheduler")
     if not sched_spec:
         return optimizer
     kwargs = {k: v for k, v in sched_spec.items() if k != "_target_" and k not in SCHEDULER_OPTIONS}
-    scheduler = import_target(sched_spec["_target_"])(optimizer, **kwargs)
+    factory = import_target(sched_spec["_target_"])
+    problem = wrong_kind(factory, sched_spec["_target_"], scheduler_bases())
+    if problem is not None:
+        raise ConfigError(f"lr_scheduler._target_: {problem}")
+    scheduler = factory(optimizer, **kwargs)
     options = {k: v for k, v in sched_spec.items() if k in SCHEDULER_OPTIONS}
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, **options}}

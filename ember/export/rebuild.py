@@ -1,15 +1,17 @@
-"""``ember export``'s side of checkpoints: which checkpoint ``--ckpt`` names, the module it was trained
-as, and the example input to trace it on.
+"""``ember export``'s side of checkpoints: which checkpoint ``--ckpt`` names, the module to load it into,
+and the example input to trace it on.
 
-The module is rebuilt from the ``module`` section of the config saved in the checkpoint (``ember fit``
-saves the resolved config in every checkpoint), falling back to the ``-c`` config, then to the
-checkpoint's module class and hyperparameters. A checkpoint of another module than the config's, or
-weights that do not fit the module built, is a `ConfigError`.
+A checkpoint is data: nothing it names is imported or called. The module is built from what the user
+gives: the ``-c`` config, or a class named with ``--module`` (given the checkpoint's hyperparameters as
+plain keyword arguments). The config recorded in the checkpoint is only compared with the given one, and
+differences are reported. ``--trust-checkpoint`` opts in to rebuilding from the recorded config; even
+then only `TrainingModule` / `DataModule` subclasses are built (checked before calling), with plain-data
+arguments. A checkpoint of another module than the one built, or weights that do not fit it, is a
+`ConfigError`.
 """
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +20,9 @@ from torch import Tensor
 
 from ember import checkpoint
 from ember.config import ConfigError, import_target, instantiate
+from ember.config.targets import nested_target, wrong_kind
+from ember.trainer.checkpointing import find_last
+from ember.trainer.rundirs import versions_newest_first
 from ember.trainer.setup import run_name
 
 if TYPE_CHECKING:
@@ -29,47 +34,45 @@ EXAMPLE_ROWS = 4
 _SETUP_STAGE = {"predict": "predict", "val": "validate", "test": "test", "train": "fit"}
 
 
-def find_checkpoint(ckpt: str, config: dict[str, Any] | None) -> Path:
+def find_checkpoint(ckpt: str, config: dict[str, Any] | None, module_class: str | None = None) -> Path:
     """The checkpoint directory ``--ckpt`` names: a path (a checkpoint directory or a ``last`` file), or
-    ``last``: the newest complete checkpoint of the config's run name."""
-    from ember.trainer.checkpointing import CHECKPOINT_SUBDIR
-
+    ``last``: the newest complete checkpoint of the run the config (or the ``--module`` class) names."""
     if ckpt == "last":
-        if config is None:
+        if config is not None:
+            trainer = config["trainer"]
+            name = trainer["run_name"] or run_name(import_target(config["module"]["_target_"]))
+            root = Path(trainer["default_root_dir"]) / name
+            folders = [Path(spec["dirpath"]) for spec in trainer["callbacks"] or [] if _is_checkpoint_callback(spec)]
+        elif module_class is not None:
+            root, folders = Path("runs") / run_name(_user_class(module_class)), []
+        else:
             raise ConfigError(
                 "--ckpt last: give the run's config with -c FILE (it names the run), or a checkpoint path"
             )
-        trainer = config["trainer"]
-        name = trainer["run_name"] or run_name(import_target(config["module"]["_target_"]))
-        root = Path(trainer["default_root_dir"]) / name
-        folders = [Path(spec["dirpath"]) for spec in trainer["callbacks"] or [] if _is_checkpoint_callback(spec)]
-        folders += [v / CHECKPOINT_SUBDIR for v in _versions_newest_first(root)]
-        for folder in folders:
-            found = checkpoint.newest_valid(folder)
-            if found is not None:
-                return found
-        raise ConfigError(f"--ckpt last: no complete checkpoint under {root}; train first (ember fit) or give a path")
-    path = Path(ckpt)
-    if path.is_file() and path.name == checkpoint.LAST_FILE:
-        path = path.parent / path.read_text(encoding="utf-8").strip()
+        found = find_last(folders, versions_newest_first(root))
+        if found is None:
+            raise ConfigError(
+                f"--ckpt last: no complete checkpoint under {root}; train first (ember fit) or give a path"
+            )
+        return found[0]
     try:
-        checkpoint.check_complete(path)
+        return checkpoint.resolve_path(Path(ckpt))
     except checkpoint.CheckpointError as exc:
         raise ConfigError(f"--ckpt: {exc}") from exc
-    return path
 
 
 def _is_checkpoint_callback(spec: Any) -> bool:
     return isinstance(spec, dict) and bool(spec.get("dirpath")) and "ModelCheckpoint" in str(spec.get("_target_"))
 
 
-def _versions_newest_first(root: Path) -> list[Path]:
-    found = [(int(m.group(1)), p) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name))]
-    return [p for _, p in sorted(found, reverse=True)]
+def rebuild_module(
+    path: Path, config: dict[str, Any] | None, module_class: str | None = None, trust: bool = False
+) -> tuple[TrainingModule, dict[str, Any] | None]:
+    """(the module to export, with checkpoint `path`'s weights, in eval mode; the config to take data from).
 
-
-def rebuild_module(path: Path, config: dict[str, Any] | None) -> tuple[TrainingModule, dict[str, Any] | None]:
-    """(the module trained in checkpoint `path` with its weights, in eval mode; the config saved in it)."""
+    Built from `config` (the user's ``-c``), else from `module_class` (a class the user named) with the
+    checkpoint's hyperparameters, else, with `trust`, from the config recorded in the checkpoint.
+    """
     from ember.modules.module import TrainingModule
 
     try:
@@ -77,32 +80,87 @@ def rebuild_module(path: Path, config: dict[str, Any] | None) -> tuple[TrainingM
     except checkpoint.CheckpointError as exc:
         raise ConfigError(f"--ckpt: {exc}") from exc
     saved = meta.get("config") if isinstance(meta.get("config"), dict) else None
-    saved_spec = saved.get("module") if saved else None
-    given_spec = config["module"] if config else None
-    trained = meta.get("module_class")
-    if saved_spec and given_spec:
-        _compare_specs(path, saved_spec, given_spec)
-    spec = saved_spec or given_spec
-    if spec is not None:
-        module = instantiate(spec, "module")
-    else:  # a checkpoint written outside `ember fit`, exported without -c
-        cls = import_target(str(trained))
-        module = cls(**meta.get("hparams", {}))
-    if not isinstance(module, TrainingModule):
-        raise ConfigError(f"module: built a {type(module).__qualname__}, not an ember.TrainingModule")
-    built = f"{type(module).__module__}.{type(module).__qualname__}"
-    if trained and not _same_class(str(trained), built):
+    trained = meta.get("module_class") if isinstance(meta.get("module_class"), str) else None
+    data_config = config
+    if config is not None:
+        module = instantiate(config["module"], "module", base=TrainingModule)
+    elif module_class is not None:
+        module = _build_with_hparams(_user_class(module_class), module_class, meta.get("hparams"), path)
+    elif trust:
+        module, data_config = _rebuild_trusted(path, saved, trained, meta.get("hparams")), saved
+        if data_config is not None and isinstance(data_config.get("data"), dict):
+            check_plain_section(data_config["data"], "data", path)
+    else:
+        recorded = f" (it records {trained})" if trained else ""
         raise ConfigError(
-            f"checkpoint {path} holds a {trained}, but the config builds a {built}; "
+            f"--ckpt {path}: say which module to load it into{recorded}: give the run's config with -c FILE, or "
+            "name the class with --module pkg.module.Class; a checkpoint is data, so nothing it names is imported "
+            "(--trust-checkpoint rebuilds from its recorded config, for checkpoints you trust)"
+        )
+    built = f"{type(module).__module__}.{type(module).__qualname__}"
+    if trained and not _same_class(trained, built) and module_class is None:
+        raise ConfigError(
+            f"checkpoint {path} holds a {trained} module, but the config builds {built}; "
             "give a checkpoint of this config's module, or the config it was trained with"
         )
+    if config is not None and saved is not None and isinstance(saved.get("module"), dict):
+        report_differences(saved["module"], config["module"], "module", "using the config's")
     try:
-        checkpoint.load_weights_into(module, weights, path, trained)
+        hint = checkpoint.mismatch_hint(meta, config, dict(module.hparams))
+        checkpoint.load_weights_into(module, weights, path, trained, hint=hint)
     except checkpoint.CheckpointError as exc:
+        raise ConfigError(str(exc)) from exc
+    return module.eval(), data_config
+
+
+def _user_class(dotted: str) -> type[TrainingModule]:
+    """The `TrainingModule` subclass the user named on the command line (their code, so it may be imported)."""
+    from ember.modules.module import TrainingModule
+
+    try:
+        cls = import_target(dotted)
+    except ImportError as exc:
+        raise ConfigError(f"--module: cannot import {dotted}: {exc}") from exc
+    problem = wrong_kind(cls, dotted, TrainingModule)
+    if problem is not None:
+        raise ConfigError(f"--module: {problem}")
+    return cls
+
+
+def _build_with_hparams(cls: type[TrainingModule], name: str, hparams: Any, path: Path) -> TrainingModule:
+    """``cls(**hparams)``: the checkpoint's hyperparameters are plain keyword arguments, never built."""
+    if not isinstance(hparams, dict):
+        hparams = {}
+    try:
+        return cls(**hparams)
+    except TypeError as exc:
         raise ConfigError(
-            f"{exc} (the checkpoint does not match the module the config builds; give the config it was trained with)"
+            f"cannot build {name} from the hyperparameters saved in {path} ({exc}); give the run's config with -c"
         ) from exc
-    return module.eval(), saved
+
+
+def _rebuild_trusted(path: Path, saved: dict[str, Any] | None, trained: str | None, hparams: Any) -> TrainingModule:
+    """``--trust-checkpoint``: the recorded module section (or class and hparams), checked before calling."""
+    from ember.modules.module import TrainingModule
+
+    spec = saved.get("module") if saved is not None else None
+    if isinstance(spec, dict) and "_target_" in spec:
+        check_plain_section(spec, "module", path)
+        built: TrainingModule = instantiate(spec, "module", base=TrainingModule)
+        return built
+    if trained is None:
+        raise ConfigError(f"--ckpt {path}: the checkpoint records no module to rebuild; give -c or --module")
+    return _build_with_hparams(_user_class(trained), trained, hparams, path)
+
+
+def check_plain_section(spec: dict[str, Any], key: str, path: Path) -> None:
+    """A recorded section may be rebuilt only with plain-data arguments: no nested ``_target_``."""
+    nested = nested_target(spec, key)
+    if nested is not None:
+        raise ConfigError(
+            f"checkpoint {path}: {nested} holds a _target_ section; a recorded config is rebuilt only with "
+            "plain-data arguments (give the run's config with -c instead)"
+        )
 
 
 def _same_class(trained: str, built: str) -> bool:
@@ -110,20 +168,19 @@ def _same_class(trained: str, built: str) -> bool:
     return trained == built or (trained.startswith("__main__.") and built.endswith("." + trained.split(".", 1)[1]))
 
 
-def _compare_specs(path: Path, saved: dict[str, Any], given: dict[str, Any]) -> None:
-    """The checkpoint's module section wins; a different class is an error, other differences a note."""
-    if saved.get("_target_") != given.get("_target_"):
-        raise ConfigError(
-            f"checkpoint {path} was trained as module._target_={saved.get('_target_')}, but the config says "
-            f"{given.get('_target_')}; give a checkpoint of this config, or leave out -c to use the checkpoint's own"
+def report_differences(saved: Any, given: Any, key: str, outcome: str) -> list[str]:
+    """Print one note per leaf where the recorded `saved` section differs from the `given` one; returns the keys.
+
+    The recorded values are shown (repr), never built or imported.
+    """
+    found = checkpoint.differences(saved, given, key)
+    for name, old, new in found:
+        print(
+            f"ember: note: {name}: the checkpoint was trained with {old!r}, the config says {new!r}; {outcome} "
+            "(the checkpoint's is not used)",
+            file=sys.stderr,
         )
-    for key in sorted(set(saved) | set(given)):
-        if saved.get(key) != given.get(key):
-            print(
-                f"ember: note: module.{key}: the checkpoint was trained with {saved.get(key)!r}, the config says "
-                f"{given.get(key)!r}; exporting the checkpoint's",
-                file=sys.stderr,
-            )
+    return [name for name, _, _ in found]
 
 
 def example_input(module: TrainingModule, data_spec: dict[str, Any] | None) -> Any:
@@ -134,11 +191,11 @@ def example_input(module: TrainingModule, data_spec: dict[str, Any] | None) -> A
     if getattr(module, "example_input_array", None) is not None:
         return None
     name = type(module).__qualname__
-    data = instantiate(data_spec, "data") if data_spec else None
+    data = instantiate(data_spec, "data", base=DataModule) if data_spec else None
     if not isinstance(data, DataModule):
         raise ConfigError(
             f"{name} has no example_input_array and there is no data section to take a batch from; "
-            "set self.example_input_array in __init__ (e.g. torch.zeros(2, 64))"
+            "set self.example_input_array in __init__ (e.g. torch.zeros(2, 64)), or give the run's config with -c"
         )
     for stage, setup_stage in _SETUP_STAGE.items():
         if data.has_dataloader(stage):

@@ -10,7 +10,6 @@ import atexit
 import contextlib
 import functools
 import os
-import re
 import signal
 import sys
 import threading
@@ -21,10 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 from ember import checkpoint as ckpt
 from ember.trainer import signals, state
+from ember.trainer.rundirs import versions_newest_first
 
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from ember.callbacks.model_checkpoint import ModelCheckpoint
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
 
@@ -37,47 +38,49 @@ def info(trainer: Trainer, message: str) -> None:
         print(f"ember: {message}", file=sys.stderr, flush=True)
 
 
-def _versions_newest_first(run_root: Path) -> list[Path]:
-    found = []
-    for path in run_root.glob("version_*"):
-        match = re.fullmatch(r"version_(\d+)", path.name)
-        if match and path.is_dir():
-            found.append((int(match.group(1)), path))
-    return [p for _, p in sorted(found, reverse=True)]
-
-
-def _checkpoint_dirs(trainer: Trainer) -> list[Path]:
+def checkpoint_dirs(trainer: Trainer) -> list[Path]:
     """Folders an explicit `ModelCheckpoint(dirpath=...)` writes to."""
     from ember.callbacks.model_checkpoint import ModelCheckpoint
 
     return [Path(cb.dirpath) for cb in trainer.user_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
 
 
-def find_last(trainer: Trainer, run_root: Path) -> tuple[Path, Path | None] | None:
-    """(checkpoint, its run directory) for the newest complete checkpoint of this run name, or None."""
-    for directory in _checkpoint_dirs(trainer):
-        found = ckpt.newest_valid(directory)
+def find_last(folders: list[Path], versions: list[Path], resumable: bool = False) -> tuple[Path, Path | None] | None:
+    """(checkpoint, its run directory) for the newest complete checkpoint, or None.
+
+    `folders` (explicit checkpoint folders) are searched first, then ``<version>/checkpoints`` of each of
+    `versions` (newest first); the run directory is None for an explicit folder. With `resumable`,
+    weights-only checkpoints are passed over. Used by the trainer, the CLI and ``ember export``.
+    """
+    for directory in folders:
+        found = ckpt.newest_valid(directory, resumable)
         if found is not None:
             return found, None
-    for version in _versions_newest_first(run_root):
-        found = ckpt.newest_valid(version / CHECKPOINT_SUBDIR)
+    for version in versions:
+        found = ckpt.newest_valid(version / CHECKPOINT_SUBDIR, resumable)
         if found is not None:
             return found, version
     return None
 
 
 def _find_best(trainer: Trainer, run_root: Path) -> Path:
+    """The best checkpoint of a `ModelCheckpoint(monitor=...)`: this trainer's, else the newest run's.
+
+    A path recorded in a checkpoint is data: only its name is used, looked up beside the checkpoint that
+    recorded it, so a crafted file cannot point anywhere else.
+    """
     from ember.callbacks.model_checkpoint import ModelCheckpoint
 
     for cb in trainer.user_callbacks:
         if isinstance(cb, ModelCheckpoint) and cb.best_model_path:
-            return Path(cb.best_model_path)
-    last = find_last(trainer, run_root)
+            return ckpt.resolve_path(Path(cb.best_model_path))
+    last = find_last(checkpoint_dirs(trainer), versions_newest_first(run_root))
     if last is not None:
-        saved = ckpt.read_meta(last[0]).get("state", {}).get("callbacks", {})
-        for key, value in saved.items():
-            if key.startswith("ModelCheckpoint") and value.get("best_model_path"):
-                return Path(value["best_model_path"])
+        saved = ckpt.read_meta(last[0])["state"].get("callbacks", {})
+        for key, value in (saved.items() if isinstance(saved, dict) else ()):
+            best = value.get("best_model_path") if isinstance(value, dict) else None
+            if str(key).startswith("ModelCheckpoint") and isinstance(best, str) and best:
+                return ckpt.resolve_path(last[0].parent / Path(best).name)
     raise ckpt.CheckpointError(
         f"ckpt_path='best': no ModelCheckpoint with a monitored best checkpoint in this trainer or under {run_root}"
     )
@@ -85,29 +88,27 @@ def _find_best(trainer: Trainer, run_root: Path) -> Path:
 
 def resolve_ckpt_path(
     trainer: Trainer, ckpt_path: str | os.PathLike[str] | None, run_root: Path, stage: str
-) -> Path | None:
-    """The checkpoint directory ``ckpt_path`` names; for "last" it also picks the run directory to continue."""
+) -> tuple[Path | None, Path | None]:
+    """(the checkpoint directory ``ckpt_path`` names, the run directory to continue or None).
+
+    Only ``"last"`` in fit continues a run directory (that of the checkpoint found); everything else
+    starts a new version. Fit looks for a checkpoint that can resume training (not weights-only).
+    """
     if ckpt_path is None:
-        return None
+        return None, None
     if ckpt_path == "last":
-        found = find_last(trainer, run_root)
+        found = find_last(checkpoint_dirs(trainer), versions_newest_first(run_root), resumable=stage == "fit")
         if found is None:
             if stage != "fit":
                 raise ckpt.CheckpointError(f"ckpt_path='last': no complete checkpoint under {run_root}")
             info(trainer, f"no checkpoint under {run_root}; starting a new run")
-            return None
+            return None, None
         path, run_dir = found
-        if run_dir is not None and stage == "fit":
-            trainer._run_dir = run_dir
-        info(trainer, f"resuming from {path}")
-        return path
+        info(trainer, f"{'resuming from' if stage == 'fit' else 'loading'} {path}")
+        return path, run_dir if stage == "fit" else None
     if ckpt_path == "best":
-        return _find_best(trainer, run_root)
-    path = Path(ckpt_path)
-    if path.is_file() and path.name == ckpt.LAST_FILE:
-        path = path.parent / path.read_text(encoding="utf-8").strip()
-    ckpt.check_complete(path)
-    return path
+        return _find_best(trainer, run_root), None
+    return ckpt.resolve_path(Path(ckpt_path)), None
 
 
 OnDone = Callable[[Path], None]
@@ -155,7 +156,17 @@ class CheckpointWriter:
         self.pending.append(_Request(path, weights_only, async_save, set_last, on_done))
 
     def flush(self, trainer: Trainer, module: TrainingModule) -> None:
-        """Write every pending request now (the caller is at a boundary)."""
+        """Write every pending request now (the caller is at a boundary).
+
+        A step whose loss the non-finite guard flagged is never saved: the guard's error is raised first,
+        so ``last`` keeps naming the last good checkpoint and nothing is evicted for the bad one.
+        """
+        if self.pending:
+            try:
+                trainer._finite_guard.check()
+            except BaseException:
+                self.pending.clear()
+                raise
         requests, self.pending = self.pending, []
         for req in requests:
             self.wait()
@@ -227,7 +238,7 @@ class CheckpointWriter:
             on_done(path)
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"a background checkpoint write failed: {error}") from error
+            raise ckpt.CheckpointWriteError(f"a background checkpoint write failed: {error}") from error
 
 
 def _telling_loggers(trainer: Trainer, on_done: OnDone | None) -> OnDone:
@@ -254,7 +265,8 @@ def resume(trainer: Trainer, module: TrainingModule, path: Path) -> dict[str, An
 def load_weights(trainer: Trainer, module: TrainingModule, path: Path) -> None:
     """Load only the module weights from `path` (for validate/test/predict)."""
     meta, weights = ckpt.read_module_state(path)
-    ckpt.load_weights_into(module, weights, path, meta.get("module_class"), trainer.strategy.load_module_state)
+    hint = ckpt.mismatch_hint(meta, trainer.run_config, dict(module.hparams))
+    ckpt.load_weights_into(module, weights, path, meta.get("module_class"), trainer.strategy.load_module_state, hint)
 
 
 def finish_writes_quietly(trainer: Trainer) -> None:
@@ -266,15 +278,30 @@ def finish_writes_quietly(trainer: Trainer) -> None:
         print(f"ember: {exc}", file=sys.stderr, flush=True)
 
 
-def handle_preemption(trainer: Trainer, module: TrainingModule, signum: int) -> None:
-    """Save ``last`` at this boundary, requeue under SLURM, and exit with `signals.EXIT_PREEMPTED`."""
+def resumable_saver(trainer: Trainer) -> ModelCheckpoint | None:
+    """The `ModelCheckpoint` that writes the checkpoints a stop or preemption saves: the first one that
+    writes full (resumable) checkpoints; None when every one saves weights only (or there is none)."""
     from ember.callbacks.model_checkpoint import ModelCheckpoint
 
+    for cb in trainer.callbacks:
+        if isinstance(cb, ModelCheckpoint) and not cb.save_weights_only:
+            return cb
+    return None
+
+
+def handle_preemption(trainer: Trainer, module: TrainingModule, signum: int) -> None:
+    """Save a resumable ``last`` at this boundary, requeue under SLURM, and exit with `signals.EXIT_PREEMPTED`.
+
+    The checkpoint is written by `resumable_saver`, else as ``<run dir>/checkpoints/preempted-step=N``
+    (also when the only savers keep weights only, which cannot resume). ``fast_dev_run`` saves nothing.
+    """
     info(trainer, f"received {signals.signal_name(signum)}: saving a checkpoint at step {trainer.global_step}")
     trainer._writer.wait()
-    savers = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
-    if savers:
-        savers[0].save_for_preemption(trainer)
+    saver = resumable_saver(trainer)
+    if trainer.fast_dev_run:
+        pass
+    elif saver is not None:
+        saver.save_for_preemption(trainer)
     else:
         path = trainer.run_dir / CHECKPOINT_SUBDIR / f"preempted-step={trainer.global_step}"
         if not path.exists():
@@ -306,9 +333,7 @@ def save_stop_point(trainer: Trainer, module: TrainingModule) -> None:
     epoch; a ModelCheckpoint that has saved this step skips its epoch-end save, so
     ``fit(ckpt_path="last")`` continues the epoch where it stopped.
     """
-    from ember.callbacks.model_checkpoint import ModelCheckpoint
-
-    savers = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and not cb.save_weights_only]
-    if savers:
-        savers[0].save_for_preemption(trainer)
+    saver = resumable_saver(trainer)
+    if saver is not None:
+        saver.save_for_preemption(trainer)
         trainer._writer.flush(trainer, module)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ember.callbacks.callback import Callback
@@ -22,12 +21,6 @@ def run_name(module: TrainingModule | type) -> str:
     ``CNNClassifier`` -> ``cnn_classifier``); a class may be given instead of a module."""
     name = (module if isinstance(module, type) else type(module)).__name__
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
-
-
-def next_version(root: Path) -> str:
-    """``version_N`` with N one past the highest existing ``version_*`` folder in `root`."""
-    numbers = [int(m.group(1)) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name))]
-    return f"version_{max(numbers, default=-1) + 1}"
 
 
 def resolve_loggers(option: bool | Logger | Sequence[Logger] | None) -> list[Logger]:

@@ -70,13 +70,82 @@ class _OptimizerStates:
         return [strategy.optimizer_state(self.module, opt) for opt in self.trainer.optimizers]
 
     def load_state_dict(self, state: list[Any]) -> None:
-        if len(state) != len(self.trainer.optimizers):
+        if not isinstance(state, list) or len(state) != len(self.trainer.optimizers):
+            count = len(state) if isinstance(state, list) else "no list of"
             raise ckpt.CheckpointError(
-                f"the checkpoint has {len(state)} optimizers, this run has {len(self.trainer.optimizers)}; "
+                f"the checkpoint has {count} optimizers, this run has {len(self.trainer.optimizers)}; "
                 "configure the same ones to resume"
             )
         for opt, opt_state in zip(self.trainer.optimizers, state, strict=True):
             self.trainer.strategy.load_optimizer_state(self.module, opt, opt_state)
+
+
+def optimizer_class(optimizer: Any) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def _group_names(module: nn.Module, optimizer: Any) -> list[list[str]]:
+    """Each param group's parameter names (DCP's names: no wrapper prefixes)."""
+    from ember.strategies.strategy import optimizer_state_by_name
+
+    named = optimizer_state_by_name(module, optimizer)
+    if named is None:
+        return []  # sharded or wrapped: DCP checks the layout when it loads
+    return [list(group["params"]) for group in named["param_groups"]]
+
+
+def check_optimizers(path: Path, meta: dict[str, Any], saved: Any, trainer: Trainer, module: nn.Module) -> list[str]:
+    """Refuse a resume into other optimizers; return the hyperparameter differences (for a warning).
+
+    A different optimizer class or param-group layout (groups and the parameters in each) is a
+    `CheckpointError` naming both: loading one optimizer's state into another would silently keep the
+    checkpoint's param groups. Hyperparameters that differ (``lr``, ``weight_decay``, ...) are returned:
+    resuming keeps the checkpoint's values, which is what an uninterrupted run would have.
+    """
+    classes = meta.get("optimizer_classes")
+    differences: list[str] = []
+    if not isinstance(saved, list):
+        return differences
+    for i, (optimizer, state) in enumerate(zip(trainer.optimizers, saved, strict=False)):
+        now = optimizer_class(optimizer)
+        was = classes[i] if isinstance(classes, list) and i < len(classes) and isinstance(classes[i], str) else None
+        if was is not None and was != now:
+            raise ckpt.CheckpointError(
+                f"checkpoint {path} was trained with {was} (optimizer {i}), this run builds {now}; resume with "
+                "the same optimizer, or start a new run from its weights (TrainingModule.load_from_checkpoint)"
+            )
+        groups = state.get("param_groups") if isinstance(state, dict) else None
+        if not isinstance(groups, list):
+            continue
+        saved_names = [list(g.get("params", [])) if isinstance(g, dict) else [] for g in groups]
+        current = _group_names(module, optimizer)
+        if current and current != saved_names:
+            raise ckpt.CheckpointError(
+                f"checkpoint {path}: optimizer {i} ({now}) has {_describe_groups(current)} now, the checkpoint "
+                f"{_describe_groups(saved_names)}; resume with the same parameter groups, or start a new run "
+                "from its weights (TrainingModule.load_from_checkpoint)"
+            )
+        for j, (old, new) in enumerate(zip(groups, optimizer.param_groups, strict=False)):
+            differences += _group_differences(f"optimizer {i} group {j}", old, new)
+    return differences
+
+
+def _describe_groups(groups: list[list[str]]) -> str:
+    sizes = ", ".join(f"{len(g)} ({', '.join(g[:2])}{', ...' if len(g) > 2 else ''})" for g in groups)
+    return f"{len(groups)} param group(s) of {sizes} parameters"
+
+
+def _group_differences(where: str, old: Any, new: dict[str, Any]) -> list[str]:
+    if not isinstance(old, dict):
+        return []
+    scheduled = "initial_lr" in old and "initial_lr" in new  # a scheduler moves lr; compare its start value
+    found = []
+    for key in sorted(set(old) & set(new), key=str):
+        if key == "params" or (key == "lr" and scheduled):
+            continue
+        if isinstance(old[key], (int, float, bool, str, tuple, list, type(None))) and old[key] != new[key]:
+            found.append(f"{where} {key}: {old[key]!r} in the checkpoint, {new[key]!r} now")
+    return found
 
 
 class _CallbackStates:
@@ -187,6 +256,7 @@ def gather(
         "ember_version": ember.__version__,
         "weights_only": weights_only,
         "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
+        "optimizer_classes": [optimizer_class(opt) for opt in trainer.optimizers],
         "hparams": dict(module.hparams),
         "config": trainer.run_config,
         "tensor_skeleton": skeleton,
@@ -232,7 +302,7 @@ def write(path: Path, snapshot: Snapshot, set_last: bool = False) -> Path:
 def load(path: Path, rank: int = 0, world_size: int = 1) -> Loaded:
     meta = ckpt.read_meta(path)
     tensors = ckpt.read_tensors(path)
-    tensor_state = ckpt.join_tensors(meta["tensor_skeleton"], tensors)
+    tensor_state = ckpt.join_checked(path, meta["tensor_skeleton"], tensors)
     return Loaded(path, meta, tensor_state, _rank_state(path, meta, rank, world_size))
 
 
@@ -251,27 +321,71 @@ def _rank_state(path: Path, meta: dict[str, Any], rank: int, world_size: int) ->
     return ckpt.read_rank_meta(path, rank)
 
 
-def load_module_weights(module: nn.Module, loaded: Loaded, load: Any = None) -> None:
-    """Load the module's weights, with an error listing the first mismatched keys."""
-    ckpt.load_weights_into(module, loaded.tensor_state["module"], loaded.path, loaded.meta.get("module_class"), load)
+def load_module_weights(module: nn.Module, loaded: Loaded, load: Any = None, hint: str = "") -> None:
+    """Load the module's weights, with an error listing the first mismatched keys (then `hint`)."""
+    weights = loaded.tensor_state["module"]
+    ckpt.load_weights_into(module, weights, loaded.path, loaded.meta.get("module_class"), load, hint)
 
 
 def restore(trainer: Trainer, module: TrainingModule, loaded: Loaded) -> None:
-    """Restore every registry entry for resuming training."""
+    """Restore every registry entry for resuming training.
+
+    State that does not fit this run (a damaged or foreign file) is a `CheckpointError` naming the entry;
+    a different optimizer is refused (`check_optimizers`); changed hyperparameters and config values are
+    one warning listing each difference.
+    """
     if loaded.meta.get("weights_only"):
         raise ckpt.CheckpointError(
             f"checkpoint {loaded.path} holds weights only (saved with weights_only=True / save_weights_only); "
             "it cannot resume training. Load it with TrainingModule.load_from_checkpoint, or resume from a "
             "full checkpoint"
         )
-    trainer.hooks.on_load_checkpoint(loaded.meta)
-    load_module_weights(module, loaded, trainer.strategy.load_module_state)
+    trainer.hooks.on_load_checkpoint(loaded.meta)  # may reshape the optimizers (e.g. BackboneFinetuning)
+    hint = ckpt.mismatch_hint(loaded.meta, trainer.run_config, dict(module.hparams))
+    load_module_weights(module, loaded, trainer.strategy.load_module_state, hint)
+    saved_optimizers = loaded.tensor_state.get("optimizers")
+    differences = check_optimizers(loaded.path, loaded.meta, saved_optimizers, trainer, module)
+    differences += _config_differences(loaded.meta, trainer, module)
     entries = registry(trainer, module)
-    entries["optimizers"].load_state_dict(loaded.tensor_state["optimizers"])
+    _load_entry(loaded.path, "optimizers", entries["optimizers"], saved_optimizers)
     for name, state in loaded.meta["state"].items():
         if name in entries:
-            entries[name].load_state_dict(state)
+            _load_entry(loaded.path, name, entries[name], state)
         else:
             warnings.warn(
                 f"checkpoint {loaded.path}: ignoring state {name!r} that this run has no use for", stacklevel=2
             )
+    if differences and trainer.is_global_zero:
+        listed = "; ".join(differences[:12]) + (f"; and {len(differences) - 12} more" if len(differences) > 12 else "")
+        warnings.warn(
+            f"resuming from {loaded.path} with changed settings: {listed}. Optimizer and scheduler state continue "
+            "from the checkpoint; the other values apply from here on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _load_entry(path: Path, name: str, entry: Stateful, state: Any) -> None:
+    try:
+        entry.load_state_dict(state)
+    except ckpt.CheckpointError:
+        raise
+    except (TypeError, KeyError, ValueError, AttributeError, IndexError, RuntimeError) as exc:
+        raise ckpt.CheckpointError(
+            f"checkpoint {path}: its {name!r} state does not fit this run ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _config_differences(meta: dict[str, Any], trainer: Trainer, module: TrainingModule) -> list[str]:
+    """What differs between the run that wrote the checkpoint and this one: the resolved YAML config when
+    both have one, else the module's hyperparameters."""
+    saved, now = meta.get("config"), trainer.run_config
+    prefix = ""
+    if not (isinstance(saved, dict) and now is not None):
+        saved, now, prefix = meta.get("hparams"), dict(module.hparams), "hparams"
+        if not isinstance(saved, dict):
+            return []
+    return [
+        f"{key}: {old!r} in the checkpoint, {new!r} now"
+        for key, old, new in ckpt.differences(saved, now, prefix)
+    ]

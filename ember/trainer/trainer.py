@@ -33,6 +33,7 @@ from ember.trainer.data import EpochPlan, check_not_empty, num_batches, resolve_
 from ember.trainer.numerics import FiniteGuard
 from ember.trainer.optimization import setup_optimizers
 from ember.trainer.progress import Progress
+from ember.trainer.rundirs import claim_version, release_if_empty
 
 _LIMIT_NAME = {"validation": "val", "test": "test", "predict": "predict"}
 
@@ -365,7 +366,7 @@ class Trainer:
     ) -> Iterator[None]:
         if not isinstance(module, TrainingModule):
             raise TypeError(f"expected an ember.TrainingModule, got {type(module).__qualname__}")
-        from ember.trainer.setup import default_callbacks, next_version, resolve_loggers, run_name
+        from ember.trainer.setup import default_callbacks, resolve_loggers, run_name
 
         # What can reject the run comes first, so a rejected run leaves the trainer idle.
         hooks = CallbackList(self, module, [*self.user_callbacks, *default_callbacks(self)])
@@ -376,33 +377,37 @@ class Trainer:
             # Only process 0 logs; the others keep no loggers at all.
             self.loggers = resolve_loggers(self._logger_option) if self.is_global_zero else []
             self._loggers_resolved = True
-        name = self.run_name or run_name(module)
-        self._ckpt = checkpointing.resolve_ckpt_path(self, ckpt_path, Path(self.default_root_dir) / name, stage)
-        if self._run_dir is None:
-            root = Path(self.default_root_dir) / name
-            self._run_dir = self.strategy.broadcast(root / next_version(root))  # every process: process 0's
+        root = Path(self.default_root_dir) / (self.run_name or run_name(module))
+        self._ckpt, continued = checkpointing.resolve_ckpt_path(self, ckpt_path, root, stage)
+        claimed: tuple[Path, Path] | None = None
+        if continued is not None:
+            self._run_dir = continued
+        elif self._run_dir is None:
+            # Process 0 claims a new version directory (an exclusive mkdir); every process uses it.
+            claimed = claim_version(root) if self.is_global_zero else None
+            self._run_dir = self.strategy.broadcast(claimed[0] if claimed is not None else None)
         for logger in self.loggers:
-            logger.attach(self._run_dir)
+            logger.attach(self.run_dir)
         self.stage = stage
         self.should_stop = False
         self._module = module
         self.datamodule = datamodule
         self.hooks = hooks
         module._trainer = self
-        self._model = self.strategy.setup_module(module)
-        if self.compile_options is not None and not getattr(module, "_ember_compiled", False):
-            self.strategy.compile_module(module, self.compile_options)  # in place: state_dict keys stay clean
-            module._ember_compiled = True
-        if self.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
         status = "failed"
-        if stage == "fit":
-            self._preemption = signals.PreemptionFlag(
-                [signal.SIGTERM] + ([self.requeue_signal] if self.requeue_signal is not None else [])
-            )
-            self._preemption.install()
         try:
+            self._model = self.strategy.setup_module(module)
+            if self.compile_options is not None and not getattr(module, "_ember_compiled", False):
+                self.strategy.compile_module(module, self.compile_options)  # in place: state_dict keys stay clean
+                module._ember_compiled = True
+            if self.deterministic:
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+                torch.use_deterministic_algorithms(True)
+            if stage == "fit":
+                self._preemption = signals.PreemptionFlag(
+                    [signal.SIGTERM] + ([self.requeue_signal] if self.requeue_signal is not None else [])
+                )
+                self._preemption.install()
             if datamodule is not None:
                 datamodule.setup(stage)
             self.hooks.setup(stage)
@@ -424,6 +429,8 @@ class Trainer:
                 datamodule.teardown(stage)
             self.strategy.teardown()
             self.stage = None
+            if claimed is not None:
+                release_if_empty(*claimed)
 
     def save_checkpoint(
         self,

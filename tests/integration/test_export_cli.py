@@ -75,10 +75,11 @@ def test_export_last_to_onnx_matches_the_checkpoint(
     assert line.startswith("export done in ") and f"{out / 'classifier.onnx'} from {ckpt}" in line
     # Classifier has no example_input_array: 4 images of DigitsData's predict batch, then twice that
     assert line.endswith("at batch 4, " + line.split(", ")[-1]) and "at batch 8)" in line
-    # the module is rebuilt from the config saved in the checkpoint: trained with epochs=1 (max_epochs=1)
-    assert "module.epochs: the checkpoint was trained with 1, the config says 20; exporting the checkpoint's" in (
-        captured.err
-    )
+    # the module is built from the -c config; the recorded config (epochs=1) is data, compared and reported
+    assert (
+        "module.epochs: the checkpoint was trained with 1, the config says 20; using the config's "
+        "(the checkpoint's is not used)"
+    ) in captured.err
     assert sorted(p.name for p in out.iterdir()) == ["classifier.onnx"]
 
     trained = Classifier.load_from_checkpoint(ckpt)
@@ -93,10 +94,14 @@ def test_export_last_to_onnx_matches_the_checkpoint(
 def test_export_a_checkpoint_path_without_a_config(
     run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Without -c the checkpoint's saved config builds the module and the data (for the example input)."""
+    """Without -c, only --trust-checkpoint rebuilds the module and the data from the config saved in it."""
     ckpt = checkpoint_of(run)
-    code = main(["export", "--ckpt", str(ckpt), "--format", "torchscript", "--method", "trace",
-                 "--out", str(tmp_path / "out"), "--name", "digits"])  # fmt: skip
+    argv = ["export", "--ckpt", str(ckpt), "--format", "torchscript", "--method", "trace",
+            "--out", str(tmp_path / "out"), "--name", "digits"]  # fmt: skip
+    assert main(argv) == 2  # a checkpoint is data: without the opt-in nothing it names is imported
+    assert "--trust-checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    code = main([*argv, "--trust-checkpoint"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "ember: note" not in captured.err
@@ -113,7 +118,7 @@ def test_export_to_torchserve_names_the_archive_after_the_run(run: Path, tmp_pat
 
     pytest.importorskip("model_archiver", reason="TorchServe export needs torch-model-archiver")
     code = main(["export", "--ckpt", str(run / "classifier" / "version_0" / "checkpoints" / "last"),
-                 "--format", "torchserve", "--out", str(tmp_path)])  # fmt: skip
+                 "--trust-checkpoint", "--format", "torchserve", "--out", str(tmp_path)])  # fmt: skip
     assert code == 0
     assert read_manifest(tmp_path / "classifier.mar")["model"]["modelName"] == "classifier"
 
@@ -144,9 +149,9 @@ def test_a_checkpoint_of_another_module_than_the_config_is_one_error(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert err[0] == (
-        f"ember: error: checkpoint {checkpoint_of(run)} was trained as module._target_=examples.digits.Classifier, "
-        "but the config says examples.digits.CNNClassifier; give a checkpoint of this config, or leave out -c to use "
-        "the checkpoint's own"
+        f"ember: error: checkpoint {checkpoint_of(run)} holds a examples.digits.Classifier module, but the config "
+        "builds examples.digits.CNNClassifier; give a checkpoint of this config's module, or the config it was "
+        "trained with"
     )
     assert not (tmp_path / "x").exists()
 
@@ -172,7 +177,7 @@ def test_weights_that_do_not_fit_the_config_are_one_error(
     assert len(err) == 1
     assert err[0] == (
         f"ember: error: checkpoint {python_api_checkpoint}: model.1.weight has shape (8, 64), the module expects "
-        "(128, 64) (the checkpoint does not match the module the config builds; give the config it was trained with)"
+        "(128, 64); it was trained with other module settings: add the override(s) module.hidden=8"
     )
     assert not (tmp_path / "x").exists()
 
@@ -180,12 +185,13 @@ def test_weights_that_do_not_fit_the_config_are_one_error(
 def test_a_module_without_an_example_input_and_no_data_is_one_error(
     python_api_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # no -c and no saved config: rebuilt from the checkpoint's class and hparams, with no data to take a batch from
-    code = main(["export", "--ckpt", str(python_api_checkpoint), "--format", "onnx", "--out", str(tmp_path / "x")])
+    # no -c: built from the class named with --module and the checkpoint's hparams, with no data to take a batch from
+    code = main(["export", "--ckpt", str(python_api_checkpoint), "--module", "examples.digits.Classifier",
+                 "--format", "onnx", "--out", str(tmp_path / "x")])  # fmt: skip
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "ember: error: Classifier has no example_input_array and there is no data section to take a batch from; "
-        "set self.example_input_array in __init__ (e.g. torch.zeros(2, 64))"
+        "set self.example_input_array in __init__ (e.g. torch.zeros(2, 64)), or give the run's config with -c"
     ]
     assert not (tmp_path / "x").exists()
 

@@ -135,6 +135,11 @@ def test_resume_purges_events_after_the_checkpoint_step(tmp_path: Path) -> None:
     for step in range(1, 6):
         first.log_metrics({"a": float(step)}, step=step)
     first.finalize("failed")
+    # A resumed run is a later process: its event file's name (seconds since the epoch, then a per-process
+    # counter that sorts as text, so ".10" < ".9") must sort after the first one's, as TensorBoard reads them.
+    start = int(time.time())
+    while int(time.time()) == start:
+        time.sleep(0.02)
     resumed = TensorBoardLogger(tmp_path)
     resumed.load_state_dict({"step": 3})
     resumed.log_metrics({"a": 40.0}, step=4)

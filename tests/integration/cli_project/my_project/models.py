@@ -49,6 +49,12 @@ class Net(ember.TrainingModule):
             time.sleep(120)  # the test kills the process here
 
 
+class ExampleNet(Net):
+    """`Net` with an example input: exportable without a data section (``ember export --module``)."""
+
+    example_input_array = torch.zeros(2, 4)
+
+
 class Blobs(ember.DataModule):
     """Gaussian points labelled by their largest of the first 3 coordinates; a fixed 75/25 split."""
 
