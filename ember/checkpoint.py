@@ -116,7 +116,7 @@ def _bytes_of(tensors: dict[str, Tensor]) -> int:
 
 
 #: Room a checkpoint needs besides its tensors (ember.pt, rank files, metadata), for the free-space check.
-_SMALL_FILES_BYTES = 256 << 10
+_SMALL_FILES_BYTES = 64 << 10
 
 
 def _free_bytes(directory: Path) -> int:
@@ -472,7 +472,24 @@ def _check_meta(path: Path, meta: Any) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: {META_FILE} holds impossible values; the file is damaged")
     if not isinstance(meta["tensor_skeleton"].get("module"), dict):
         raise CheckpointError(f"checkpoint {path}: {META_FILE} describes no module weights; the file is damaged")
+    for name, kind in _STATE_ENTRIES.items():
+        if name in meta["state"] and not isinstance(meta["state"][name], kind):
+            raise CheckpointError(
+                f"checkpoint {path}: {META_FILE} state {name!r} is {type(meta['state'][name]).__name__}, expected "
+                f"{kind.__name__}; the file is damaged or not ember's"
+            )
     return meta
+
+
+#: Entries of ``ember.pt``'s state whose container type ember knows (the registry's built-in entries).
+_STATE_ENTRIES: dict[str, type] = {
+    "progress": dict,
+    "callbacks": dict,
+    "loggers": list,
+    "lr_schedulers": list,
+    "precision": dict,
+    "metrics": dict,
+}
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -668,8 +685,11 @@ def read_pointer(pointer: Path) -> Path:
 
 def resolve_path(path: Path) -> Path:
     """A checkpoint given by the user: its directory, or a ``last`` file (the one it names); checked complete."""
-    if path.name == LAST_FILE and not path.is_dir():
-        path = read_pointer(path)
+    if path.name == LAST_FILE:
+        if path.is_dir() and not (path / META_FILE).exists():
+            raise CheckpointError(f"checkpoint pointer {path} is a directory, not a file naming a checkpoint")
+        if not path.is_dir():
+            path = read_pointer(path)
     check_complete(path)
     return path
 
@@ -678,10 +698,25 @@ def check_complete(path: Path) -> dict[str, Any]:
     """Cheap validation of a checkpoint directory (metadata, shards, ember.pt); returns its meta."""
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist (expected a checkpoint directory)")
-    _check_shard_files(path, read_metadata(path))
+    metadata = read_metadata(path)
+    _check_shard_files(path, metadata)
     meta = read_meta(path)
+    missing = sorted(set(_tensor_names(meta["tensor_skeleton"])) - set(metadata.state_dict_metadata))
+    if missing:
+        raise CheckpointError(f"checkpoint {path}: {META_FILE} names tensors the shards lack ({missing[:3]})")
     read_rank_meta(path, 0)
     return meta
+
+
+def _tensor_names(skeleton: Any) -> list[str]:
+    """The tensor keys a skeleton (from `split_tensors`) refers to."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {_TENSOR_MARK}:
+            return [str(skeleton[_TENSOR_MARK])]
+        return [name for value in skeleton.values() for name in _tensor_names(value)]
+    if isinstance(skeleton, (list, tuple)):
+        return [name for value in skeleton for name in _tensor_names(value)]
+    return []
 
 
 def checkpoints_in(directory: Path) -> list[Path]:

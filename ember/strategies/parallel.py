@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -194,6 +195,27 @@ class ParallelStrategy(Strategy):
         box = [obj]
         dist.broadcast_object_list(box, src=src)
         return box[0]
+
+    def check_same_batch_count(self, count: float) -> None:
+        """Agree on the training batches per epoch before the first step; unequal counts are an error on every
+        process (gradient synchronisation would otherwise pair up different collectives and abort the job).
+
+        A loader without a length (``inf``) is not checked: its end cannot be known in advance.
+        """
+        if not dist.is_initialized() or self.world_size == 1:
+            return
+        mine = torch.tensor([-1 if math.isinf(count) else int(count)], dtype=torch.int64, device=self.root_device)
+        every = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        counts = [int(t) for t in every]
+        if len(set(counts)) > 1 and -1 not in counts:
+            shown = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(counts))
+            raise RuntimeError(
+                f"the processes have different numbers of training batches per epoch ({shown}); every process "
+                "must take the same number of optimizer steps. Let ember shard the data "
+                "(use_distributed_sampler=True), give each rank an equal share (e.g. DistributedSampler with "
+                "drop_last=True), or cap the epoch with limit_train_batches"
+            )
 
     def any_flag(self, flag: bool, proposal: int = 1) -> Any:
         """Start a non-blocking exchange of `flag` (OR over ranks) and of a proposed number of boundaries

@@ -227,6 +227,9 @@ class Strategy:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
 
+    def check_same_batch_count(self, count: float) -> None:
+        """Several processes must train on the same number of batches per epoch; one process always does."""
+
     @contextlib.contextmanager
     def model_sharded_context(self) -> Iterator[None]:
         yield

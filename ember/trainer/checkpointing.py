@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ember import checkpoint as ckpt
+from ember.strategies import launcher
 from ember.trainer import signals, state
 from ember.trainer.rundirs import versions_newest_first
 
@@ -295,7 +296,11 @@ def handle_preemption(trainer: Trainer, module: TrainingModule, signum: int) -> 
     The checkpoint is written by `resumable_saver`, else as ``<run dir>/checkpoints/preempted-step=N``
     (also when the only savers keep weights only, which cannot resume). ``fast_dev_run`` saves nothing.
     """
-    info(trainer, f"received {signals.signal_name(signum)}: saving a checkpoint at step {trainer.global_step}")
+    name = signals.signal_name(signum)
+    if trainer.fast_dev_run:
+        info(trainer, f"received {name}: fast_dev_run saves no checkpoint; stopping at step {trainer.global_step}")
+    else:
+        info(trainer, f"received {name}: saving a checkpoint at step {trainer.global_step}")
     trainer._writer.wait()
     saver = resumable_saver(trainer)
     if trainer.fast_dev_run:
@@ -310,6 +315,7 @@ def handle_preemption(trainer: Trainer, module: TrainingModule, signum: int) -> 
         request.async_save = False  # the process is about to exit: write now
     trainer._writer.flush(trainer, module)
     trainer._writer.wait()
+    launcher.mark_preempted(trainer.global_rank)  # under `devices=N`: the launcher exits 75 once all have saved
     job = signals.slurm_job_to_requeue()
     if job is not None and trainer.is_global_zero:
         signals.requeue_slurm_job(job)

@@ -46,10 +46,12 @@ def run_fit(trainer: Trainer, module: TrainingModule, train_loader: Any, val_loa
     sanity_limits = [min(steps, n) for n in trainer.num_val_batches]  # limit_val_batches caps it
     if any(sanity_limits):
         trainer.sanity_checking = True
-        hooks.on_sanity_check_start()
-        validate_in_fit(trainer, module, val_loaders, sanity_limits)
-        hooks.on_sanity_check_end()
-        trainer.sanity_checking = False
+        try:
+            hooks.on_sanity_check_start()
+            validate_in_fit(trainer, module, val_loaders, sanity_limits)
+            hooks.on_sanity_check_end()
+        finally:
+            trainer.sanity_checking = False
     module.train()
     hooks.on_train_start()
     trainer._in_train_loop = True
@@ -207,11 +209,13 @@ def validate_in_fit(trainer: Trainer, module: TrainingModule, loaders: list[Any]
     """
     py_state, np_state = random.getstate(), _numpy_state()
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=cuda):
-        run_evaluation(trainer, module, "validation", loaders, limits)
-    random.setstate(py_state)
-    if np_state is not None:
-        sys.modules["numpy"].random.set_state(np_state)
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            run_evaluation(trainer, module, "validation", loaders, limits)
+    finally:
+        random.setstate(py_state)
+        if np_state is not None:
+            sys.modules["numpy"].random.set_state(np_state)
 
 
 def _numpy_state() -> Any:
@@ -237,29 +241,33 @@ def run_evaluation(
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
     trainer.collector = collector
-    collector.start_epoch(stage)
-    predictions: list[list[Any]] = [[] for _ in loaders]
-    hooks.on_eval_start(stage)
-    hooks.on_eval_epoch_start(stage)
-    with torch.no_grad(), trainer.strategy.eval_context():
-        for dl_idx, loader in enumerate(loaders):
-            extra = (dl_idx,) if len(loaders) > 1 else ()
-            collector.suffix = f"/dataloader_idx_{dl_idx}" if extra else ""
-            for batch_idx, batch in enumerate(limited(loader, limits[dl_idx])):
-                batch = trainer.strategy.batch_to_device(batch)
-                collector.current_batch = batch
-                hooks.on_eval_batch_start(stage, batch, batch_idx, dl_idx)
-                with trainer.strategy.forward_context():
-                    output = step_fn(batch, batch_idx, *extra)
-                if stage == "predict":
-                    predictions[dl_idx].append(output)
-                hooks.on_eval_batch_end(stage, output, batch, batch_idx, dl_idx)
-    hooks.on_eval_epoch_end(stage)
-    results = trainer._finish_eval(collector.epoch_values(), len(loaders))
-    hooks.on_eval_end(stage)
-    trainer.collector = trainer.train_collector
-    for submodule, training in modes:
-        submodule.training = training
+    try:  # an exception (a KeyboardInterrupt included) leaves the collector and the modes as they were
+        collector.start_epoch(stage)
+        predictions: list[list[Any]] = [[] for _ in loaders]
+        hooks.on_eval_start(stage)
+        hooks.on_eval_epoch_start(stage)
+        with torch.no_grad(), trainer.strategy.eval_context():
+            for dl_idx, loader in enumerate(loaders):
+                extra = (dl_idx,) if len(loaders) > 1 else ()
+                collector.suffix = f"/dataloader_idx_{dl_idx}" if extra else ""
+                for batch_idx, batch in enumerate(limited(loader, limits[dl_idx])):
+                    batch = trainer.strategy.batch_to_device(batch)
+                    collector.current_batch = batch
+                    hooks.on_eval_batch_start(stage, batch, batch_idx, dl_idx)
+                    with trainer.strategy.forward_context():
+                        output = step_fn(batch, batch_idx, *extra)
+                    if stage == "predict":
+                        predictions[dl_idx].append(output)
+                    hooks.on_eval_batch_end(stage, output, batch, batch_idx, dl_idx)
+        hooks.on_eval_epoch_end(stage)
+        results = trainer._finish_eval(collector.epoch_values(), len(loaders))
+        hooks.on_eval_end(stage)
+    finally:
+        collector.suffix = ""
+        collector.current_batch = None
+        trainer.collector = trainer.train_collector
+        for submodule, training in modes:
+            submodule.training = training
     return predictions if stage == "predict" else results
 
 

@@ -86,17 +86,27 @@ def given_loggers(trainer: Trainer) -> list[Logger]:
     return []
 
 
-def record_hyperparameters(trainer: Trainer, module: TrainingModule) -> None:
-    """Write the resolved config to ``config.yaml`` and give the loggers the run's hyperparameters."""
+def record_hyperparameters(trainer: Trainer, module: TrainingModule, resumed: bool = False) -> None:
+    """Write the resolved config to ``config.yaml`` and give the loggers the run's hyperparameters.
+
+    A run that resumes in its own directory keeps ``config.yaml`` (the config its first segment trained
+    with) and writes this segment's as ``config-resume-N.yaml``; ``fast_dev_run`` writes no config.
+    """
     if not trainer.is_global_zero:
         return
-    if trainer.run_config is not None:
+    if trainer.run_config is not None and not trainer.fast_dev_run:
         from omegaconf import OmegaConf
 
         from ember.loggers.csv import write_atomic
 
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(trainer.run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(trainer.run_config)))
+        target = trainer.run_dir / "config.yaml"
+        if resumed and target.exists():
+            n = 1
+            while (trainer.run_dir / f"config-resume-{n}.yaml").exists():
+                n += 1
+            target = trainer.run_dir / f"config-resume-{n}.yaml"
+        write_atomic(target, OmegaConf.to_yaml(OmegaConf.create(trainer.run_config)))
     params = trainer.run_config if trainer.run_config is not None else dict(module.hparams)
     if params:
         for logger in trainer.loggers:

@@ -16,8 +16,10 @@ import threading
 from types import FrameType
 from typing import Any
 
+from ember.strategies import launcher
+
 #: Exit status after a preemption that saved a checkpoint (EX_TEMPFAIL: "try again").
-EXIT_PREEMPTED = 75
+EXIT_PREEMPTED = launcher.EXIT_PREEMPTED
 
 
 class Preempted(SystemExit):

@@ -289,13 +289,14 @@ class Trainer:
                 self.accumulate_grad_batches,
                 self.val_check_interval,
             )
+            self.strategy.check_same_batch_count(self.epoch_plan.num_batches)
             self.num_val_batches = [num_batches(v, self.limit_val_batches, "limit_val_batches") for v in val]
             setup_optimizers(self, module)
             if self._ckpt is not None:
                 self._resume_state = checkpointing.resume(self, module, self._ckpt)
             from ember.trainer.setup import record_hyperparameters  # loaded with the run, as in _run
 
-            record_hyperparameters(self, module)
+            record_hyperparameters(self, module, resumed=self._ckpt is not None)
             self._clock = loop.Clock(self.max_time_s)
             if self.epoch_plan.num_batches == 0:
                 return  # limit_train_batches=0 disables training
@@ -371,7 +372,7 @@ class Trainer:
         # What can reject the run comes first, so a rejected run leaves the trainer idle.
         hooks = CallbackList(self, module, [*self.user_callbacks, *default_callbacks(self)])
         if self.strategy.needs_launch():
-            launcher.relaunch(self.strategy.world_size_requested)  # runs the program in N processes; exits
+            launcher.relaunch(self.strategy.world_size_requested, self.requeue_signal)  # N processes; exits
         self.strategy.setup_environment()
         if not self._loggers_resolved:
             # Only process 0 logs; the others keep no loggers at all.

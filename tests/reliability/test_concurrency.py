@@ -1,0 +1,132 @@
+"""Runs started together, and processes that disagree (issue 16, items 6 and 15).
+
+- Two runs started at the same moment under the same root get two version directories, each with its own
+  ``config.yaml`` and ``last``.
+- Ranks holding different numbers of training batches are an error on every rank that names the counts,
+  not a gloo abort.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from rel_helpers import make_project
+
+import ember
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+
+import dist_harness as harness
+
+
+def _claim_at(root: str, start_at: float, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    from ember.trainer.rundirs import claim_version
+
+    while time.time() < start_at:
+        pass  # spin: every process leaves at the same instant
+    out.put(str(claim_version(Path(root))[0]))
+
+
+def test_processes_claiming_at_the_same_instant_get_distinct_versions(tmp_path: Path) -> None:
+    context = multiprocessing.get_context("fork")
+    out: multiprocessing.Queue = context.Queue()  # type: ignore[type-arg]
+    start_at = time.time() + 1.0
+    procs = [context.Process(target=_claim_at, args=(str(tmp_path), start_at, out)) for _ in range(6)]
+    for proc in procs:
+        proc.start()
+    claimed = [out.get(timeout=60) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+    assert len(set(claimed)) == 6
+    assert sorted(Path(p).name for p in claimed) == [f"version_{i}" for i in range(6)]
+
+
+def test_threads_claiming_together_get_distinct_versions(tmp_path: Path) -> None:
+    from ember.trainer.rundirs import claim_version
+
+    claimed: list[Path] = []
+    barrier = threading.Barrier(8)
+
+    def claim() -> None:
+        barrier.wait()
+        claimed.append(claim_version(tmp_path)[0])
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len({p.name for p in claimed}) == 8
+
+
+@pytest.mark.slow
+def test_two_ember_fit_commands_started_together_keep_apart(tmp_path: Path) -> None:
+    config = make_project(tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(Path(ember.__file__).parents[1]), OMP_NUM_THREADS="1")
+    commands = [
+        [sys.executable, "-m", "ember", "fit", "-c", str(config), f"module.hidden={hidden}"] for hidden in (5, 9)
+    ]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in commands]  # fmt: skip
+    outputs = [proc.communicate(timeout=240)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    versions = sorted((tmp_path / "runs" / "net").iterdir())
+    assert [v.name for v in versions] == ["version_0", "version_1"]
+    hidden = sorted(yaml.safe_load((v / "config.yaml").read_text())["module"]["hidden"] for v in versions)
+    assert hidden == [5, 9]  # each directory holds its own run's config
+    for version in versions:
+        own = yaml.safe_load((version / "config.yaml").read_text())["module"]["hidden"]
+        last = version / "checkpoints" / (version / "checkpoints" / "last").read_text().strip()
+        saved = ember.checkpoint.read_meta(last)["config"]["module"]["hidden"]
+        assert saved == own, "`last` names the other run's checkpoint"
+
+
+UNEVEN = """\
+import sys
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import ember
+
+class Net(ember.TrainingModule):
+    def __init__(self):
+        super().__init__()
+        self.model, self.loss_fn = nn.Linear(4, 1), nn.MSELoss()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+trainer = ember.Trainer(strategy="ddp", devices=2, accelerator="cpu", max_epochs=1, use_distributed_sampler=False,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+rank = int(__import__("os").environ["RANK"])  # torchrun sets it; the trainer joins the group in fit
+n = 24 if rank == 0 else 16  # each rank holds its own share, of different sizes
+data = DataLoader(TensorDataset(torch.randn(n, 4), torch.randn(n, 1)), batch_size=4)
+try:
+    trainer.fit(Net(), data)
+except RuntimeError as exc:
+    print(f"rank {rank}: {exc}", flush=True)
+    sys.exit(3)
+print(f"rank {rank}: finished", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_uneven_batches_across_ranks_are_an_error_on_every_rank(tmp_path: Path) -> None:
+    script = harness.write_script(tmp_path, UNEVEN)
+    job = harness.run(harness.torchrun(script), cwd=tmp_path, timeout=180)
+    assert not job.timed_out, harness.describe(job)
+    for rank in (0, 1):
+        assert f"rank {rank}: the processes have different numbers of training batches per epoch " in job.output
+        assert "(rank 0: 6, rank 1: 4)" in job.output
+    assert "collective mismatch" not in job.output and "EnforceNotMet" not in job.output
+    assert job.returncode == 1, harness.describe(job)  # torchrun: the workers exited with status 3
