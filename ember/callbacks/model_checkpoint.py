@@ -256,15 +256,17 @@ class ModelCheckpoint(Callback):
                 self.best_model_path, self.best_model_score = str(path), score
             elif score is None:
                 self.best_model_path = str(path)
-        previous_last = self.last_model_path
+        # What this save makes obsolete is decided now, against the ranking as this save leaves it: the
+        # deletion runs only once this checkpoint is durable (possibly after later saves changed `kept`), and
+        # must not remove a checkpoint that was still kept when this one was asked for.
+        stale = [old for old in (*evicted, self.last_model_path) if old and old not in self.kept]
         self.last_model_path = str(path)
         self._last_saved_step = trainer.global_step
         self._last_save_time = time.monotonic()
 
         def after_write(written: Path) -> None:  # runs once `written` is complete and `last` names it
-            stale = [*evicted, previous_last]
             for old in stale:
-                if old and old not in self.kept and old != self.last_model_path:
+                if old not in self.kept and old != self.last_model_path:
                     self._remove(old)
 
         trainer.save_checkpoint(
