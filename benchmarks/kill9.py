@@ -8,9 +8,9 @@ After each kill, the checkpoint that ``last`` names must load; after the last
 kill the run is relaunched once more and runs to completion, and its final
 parameters must be bitwise equal to those of an uninterrupted run.
 
-Each launch is a fresh ``fork`` of a "zygote" process that has imported torch
-and ember once (importing them takes seconds, a launch then takes
-milliseconds); nothing of a previous launch survives in it.
+Each launch is a fresh ``fork`` of a "zygote" process (`benchmarks/zygote.py`) that
+has imported torch and ember once (importing them takes seconds, a launch then
+takes milliseconds); nothing of a previous launch survives in it.
 
     python benchmarks/kill9.py              # 50 kills
     python benchmarks/kill9.py --kills 5
@@ -21,13 +21,7 @@ tests/integration/test_kill9.py runs the same harness with 5 kills.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
 import random
-import select
-import signal
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -36,7 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path (tests/integration/test_kill9.py)
+
+from zygote import Zygote
+
 RUN_NAME = "kill9"
 BATCHES_PER_EPOCH = 10
 
@@ -109,127 +106,8 @@ ZYGOTE = textwrap.dedent(
         os.replace(out + ".tmp", out)
 
 
-    def child(request):
-        fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        code = 0
-        try:
-            train(**request["args"])
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-    print("ready", flush=True)
-    while True:
-        line = sys.stdin.readline()
-        if not line:
-            break
-        request = json.loads(line)
-        if request["op"] == "spawn":
-            pid = os.fork()
-            if pid == 0:
-                child(request)
-            reply = {"pid": pid}
-        else:  # "poll": exit code of a launch, or None while it runs
-            done, status = os.waitpid(request["pid"], 0 if request["block"] else os.WNOHANG)
-            reply = {"returncode": os.waitstatus_to_exitcode(status) if done else None}
-        print(json.dumps(reply), flush=True)
     """
 ).replace("RUN_NAME", repr(RUN_NAME))
-
-
-class Zygote:
-    """A process with torch and ember imported that forks training launches on request."""
-
-    def __init__(self, workdir: Path, timeout_s: float = 120.0) -> None:
-        script = workdir / "zygote.py"
-        script.write_text(ZYGOTE)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-        env["OMP_NUM_THREADS"] = "1"
-        self.timeout_s = timeout_s
-        self.live: set[int] = set()
-        self._buffer = b""
-        with open(workdir / "zygote.log", "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(script)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                cwd=workdir,
-                env=env,
-            )
-        try:
-            started = self._readline() == b"ready"
-        except (TimeoutError, RuntimeError):
-            started = False
-        if not started:
-            self.close()
-            raise RuntimeError(f"the zygote did not start; see {workdir / 'zygote.log'}")
-
-    def _readline(self) -> bytes:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + self.timeout_s
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError("the zygote did not answer")
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                raise RuntimeError("the zygote exited")
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return line.strip()
-
-    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-        self.proc.stdin.flush()
-        reply: dict[str, Any] = json.loads(self._readline())
-        return reply
-
-    def spawn(self, log: Path, **args: Any) -> int:
-        pid = int(self._ask({"op": "spawn", "log": str(log), "args": args})["pid"])
-        self.live.add(pid)
-        return pid
-
-    def poll(self, pid: int) -> int | None:
-        code = self._ask({"op": "poll", "pid": pid, "block": False})["returncode"]
-        if code is not None:
-            self.live.discard(pid)
-        return code
-
-    def wait(self, pid: int, timeout_s: float | None = None) -> int:
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        while (code := self.poll(pid)) is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"launch {pid} did not finish")
-            time.sleep(0.02)
-        return code
-
-    def kill(self, pid: int) -> int:
-        os.kill(pid, signal.SIGKILL)
-        return self.wait(pid)
-
-    def close(self) -> None:
-        for pid in list(self.live):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.live.clear()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                stream.close()
 
 
 @dataclass
@@ -315,7 +193,7 @@ def run(workdir: Path, kills: int, seed: int = 0, max_delay_s: float = 0.3, time
         return {"root": str(root), "out": str(out), "progress": str(progress), "epochs": epochs,
                 "batches": BATCHES_PER_EPOCH}  # fmt: skip
 
-    zygote = Zygote(workdir, timeout_s)
+    zygote = Zygote(workdir, ZYGOTE, timeout_s)
     try:
         reference_log = workdir / "reference.log"
         reference = zygote.spawn(

@@ -21,8 +21,8 @@ After every interruption the harness checks, and counts:
 
 When a configuration completes, its final parameters must equal, bitwise, an uninterrupted run's.
 
-Launches are forked from a "zygote" that imported torch and ember once, so a launch takes
-milliseconds to start; two-process launches are two forks joined by a gloo process group.
+Launches are forked from a "zygote" (`benchmarks/zygote.py`) that imported torch and ember once, so a
+launch takes milliseconds to start; two-process launches are two forks joined by a gloo process group.
 
     python benchmarks/soak.py                  # 104 interruptions (13 per configuration)
     python benchmarks/soak.py --short          # 16 interruptions: CI (tests/integration/test_benchmarks.py)
@@ -32,22 +32,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
-import select
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from zygote import Zygote
+
 RUN_NAME = "soak"
 STEPS_PER_EPOCH = 8
 
@@ -180,119 +179,8 @@ ZYGOTE = textwrap.dedent(
             os.replace(out + ".tmp", out)
 
 
-    def child(request):
-        fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.setpgid(0, request["pgid"] or 0)  # both ranks of a launch share a process group: killed together
-        code = 0
-        try:
-            train(**request["args"])
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-    print("ready", flush=True)
-    while True:
-        line = sys.stdin.readline()
-        if not line:
-            break
-        request = json.loads(line)
-        if request["op"] == "spawn":
-            pid = os.fork()
-            if pid == 0:
-                child(request)
-            with __import__("contextlib").suppress(PermissionError, ProcessLookupError):
-                os.setpgid(pid, request["pgid"] or pid)  # (also in the child: whichever runs first)
-            reply = {"pid": pid}
-        else:  # "poll": exit code of a launch, or None while it runs
-            done, status = os.waitpid(request["pid"], 0 if request["block"] else os.WNOHANG)
-            reply = {"returncode": os.waitstatus_to_exitcode(status) if done else None}
-        print(json.dumps(reply), flush=True)
     """
 ).replace("RUN_NAME", repr(RUN_NAME)).replace("STEPS_PER_EPOCH", str(STEPS_PER_EPOCH))
-
-
-class Zygote:
-    """A process with torch and ember imported that forks training launches on request."""
-
-    def __init__(self, workdir: Path, timeout_s: float = 120.0) -> None:
-        script = workdir / "zygote.py"
-        script.write_text(ZYGOTE)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-        env["OMP_NUM_THREADS"] = "1"
-        self.timeout_s = timeout_s
-        self.live: set[int] = set()
-        self.exited: dict[int, int] = {}
-        self._buffer = b""
-        with open(workdir / "zygote.log", "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                cwd=workdir, env=env,
-            )  # fmt: skip
-        try:
-            started = self._readline() == b"ready"
-        except (TimeoutError, RuntimeError):
-            started = False
-        if not started:
-            self.close()
-            raise RuntimeError(f"the zygote did not start; see {workdir / 'zygote.log'}")
-
-    def _readline(self) -> bytes:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + self.timeout_s
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError("the zygote did not answer")
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                raise RuntimeError("the zygote exited")
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return line.strip()
-
-    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-        self.proc.stdin.flush()
-        reply: dict[str, Any] = json.loads(self._readline())
-        return reply
-
-    def spawn(self, log: Path, pgid: int, **args: Any) -> int:
-        pid = int(self._ask({"op": "spawn", "log": str(log), "pgid": pgid, "args": args})["pid"])
-        self.live.add(pid)
-        return pid
-
-    def poll(self, pid: int) -> int | None:
-        """The launch's exit status, or None while it runs (remembered: a process is reaped only once)."""
-        if pid in self.exited:
-            return self.exited[pid]
-        code = self._ask({"op": "poll", "pid": pid, "block": False})["returncode"]
-        if code is not None:
-            self.live.discard(pid)
-            self.exited[pid] = code
-        return code
-
-    def close(self) -> None:
-        for pid in list(self.live):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.live.clear()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                stream.close()
 
 
 @dataclass(frozen=True)
@@ -471,7 +359,7 @@ def launch(zygote: Zygote, run: Run, enospc_at_save: int = -1, out: Path | None 
             "rank": rank, "port": port, "enospc_at_save": enospc_at_save, "epochs": run.epochs,
         }  # fmt: skip
         log = run.dir / f"launch-{run.launches}-rank{rank}.log"
-        pids.append(zygote.spawn(log, pids[0] if pids else 0, **args))
+        pids.append(zygote.spawn(log, pgid=pids[0] if pids else 0, **args))
     run.launches += 1
     return pids
 
@@ -523,7 +411,7 @@ def soak(workdir: Path, per_config: int, seed: int = 0, timeout_s: float = 120.0
     start = time.monotonic()
     report = Report()
     rng = random.Random(seed)
-    zygote = Zygote(workdir, timeout_s)
+    zygote = Zygote(workdir, ZYGOTE, timeout_s)
     try:
         for config in CONFIGS:
             # far more steps than the interruptions can undo: each launch trains a few steps before it is stopped

@@ -45,6 +45,26 @@ def make_project(root: Path, config: str = CONFIG) -> Path:
     return root / "net.yaml"
 
 
+def fit_project(project: Path, max_epochs: int, ckpt_path: str | Path | None) -> Any:
+    """`Trainer.fit` from Python on the project's Net (hidden=8, the config's SGD) and Blobs(n=64), warnings
+    silenced; returns the trainer."""
+    import sys
+    import warnings
+
+    import ember
+
+    sys.path.insert(0, str(project))
+    from my_project.models import Blobs, Net  # type: ignore[import-not-found]
+
+    module = Net(hidden=8)
+    module.optimizer_config = {"optimizer": {"_target_": "torch.optim.SGD", "lr": 0.1}, "lr_scheduler": None}
+    trainer = ember.Trainer(max_epochs=max_epochs, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, datamodule=Blobs(n=64), ckpt_path=ckpt_path)
+    return trainer
+
+
 def checkpoints(root: Path) -> list[Path]:
     """Every complete-looking checkpoint directory under `root`, sorted."""
     return sorted(p.parent for p in root.rglob("ember.pt"))

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from rel_helpers import assert_one_line_error, edit_meta, last_checkpoint, run_cli
+from rel_helpers import assert_one_line_error, edit_meta, fit_project, last_checkpoint, run_cli
 
 from ember import checkpoint as ckpt
 from ember.checkpoint import CheckpointError
@@ -128,22 +128,10 @@ def test_searching_for_last_skips_damage_with_a_warning(project: Path, damage: s
 
 def test_a_fifo_in_a_sibling_never_hangs_fit_resuming_from_last(project: Path) -> None:
     """The reproduction of the report: `last` is valid, a sibling directory holds a FIFO named ember.pt."""
-    import sys
-
-    import ember
-
     sibling = last_checkpoint(project).with_name("epoch=0-step=3")
     sibling.mkdir()
     os.mkfifo(sibling / "ember.pt")
-    sys.path.insert(0, str(project))
-    from my_project.models import Blobs, Net
-
-    module = Net(hidden=8)
-    module.optimizer_config = {"optimizer": {"_target_": "torch.optim.SGD", "lr": 0.1}, "lr_scheduler": None}
-    trainer = ember.Trainer(max_epochs=3, logger=False, enable_progress_bar=False, enable_model_summary=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _with_timeout(lambda: trainer.fit(module, datamodule=Blobs(n=64), ckpt_path="last"))
+    trainer = _with_timeout(lambda: fit_project(project, max_epochs=3, ckpt_path="last"))
     assert trainer.global_step == 9
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from rel_helpers import assert_one_line_error, checkpoints, edit_meta, last_checkpoint, run_cli
+from rel_helpers import assert_one_line_error, checkpoints, edit_meta, fit_project, last_checkpoint, run_cli
 
 import ember
 from ember.checkpoint import CheckpointError
@@ -89,15 +89,7 @@ def test_a_crafted_saver_state_cannot_delete_anything(project: Path, how: str) -
             state["best_model_path"] = state["last_model_path"] = str(victim)
 
     edit_meta(checkpoint, plant)
-    sys.path.insert(0, str(project))
-    from my_project.models import Blobs, Net
-
-    module = Net(hidden=8)
-    module.optimizer_config = {"optimizer": {"_target_": "torch.optim.SGD", "lr": 0.1}, "lr_scheduler": None}
-    trainer = ember.Trainer(max_epochs=4, logger=False, enable_progress_bar=False, enable_model_summary=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(module, datamodule=Blobs(n=64), ckpt_path="last")
+    trainer = fit_project(project, max_epochs=4, ckpt_path="last")
     assert trainer.global_step == 12  # it did train on and save (and so evict) twice
     assert (victim / "data.txt").read_text() == "precious" and (victim / "ember.pt").exists()
     assert (folder / "link").is_symlink()
