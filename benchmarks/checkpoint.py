@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ember
 from ember import checkpoint as ckpt
+from ember.checkpoint import writing
 
 BATCH = 8
 
@@ -128,7 +129,7 @@ class Writes:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def install(self) -> Callable[[], None]:
-        stage, finish = ckpt.stage_checkpoint, ckpt.StagedCheckpoint.finish
+        stage, finish = writing.stage_checkpoint, ckpt.StagedCheckpoint.finish
 
         def logged_stage(path: Path, *args: Any, **kwargs: Any) -> ckpt.StagedCheckpoint:
             with self.lock:
@@ -142,11 +143,11 @@ class Writes:
                 with self.lock:
                     self.spans[staged.path.name] = (self.starts[staged.path.name], time.perf_counter())
 
-        ckpt.stage_checkpoint = logged_stage  # type: ignore[assignment]
+        writing.stage_checkpoint = logged_stage  # type: ignore[assignment]
         ckpt.StagedCheckpoint.finish = logged_finish  # type: ignore[method-assign]
 
         def uninstall() -> None:
-            ckpt.stage_checkpoint = stage  # type: ignore[assignment]
+            writing.stage_checkpoint = stage  # type: ignore[assignment]
             ckpt.StagedCheckpoint.finish = finish  # type: ignore[method-assign]
 
         return uninstall

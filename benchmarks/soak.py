@@ -71,7 +71,7 @@ ZYGOTE = textwrap.dedent(
 
     import ember
     from ember import checkpoint as ckpt
-    from ember import dcp_writer
+    from ember.checkpoint import files, writing
     from ember.callbacks.model_checkpoint import ModelCheckpoint
     from ember.loggers.logger import Logger
 
@@ -135,7 +135,7 @@ ZYGOTE = textwrap.dedent(
         # Make checkpoint write number `at_save` of this launch fail on rank 0 with ENOSPC.
         if at_save < 0 or rank != 0:
             return
-        write_files, init = ckpt._write_files, dcp_writer.GuardedFile.__init__
+        write_files, init = writing._write_files, files.GuardedFile.__init__
         count = {"n": 0, "armed": False}
 
         def counted(*args, **kwargs):
@@ -149,8 +149,8 @@ ZYGOTE = textwrap.dedent(
         def guarded_init(self, raw):
             init(self, FullDisk(raw) if count["armed"] else raw)
 
-        ckpt._write_files = counted
-        dcp_writer.GuardedFile.__init__ = guarded_init
+        writing._write_files = counted
+        files.GuardedFile.__init__ = guarded_init
 
 
     def train(root, out, progress, top_k, async_save, world_size, rank, port, enospc_at_save, epochs):
@@ -280,7 +280,7 @@ class Run:
     def folder(self) -> Path:
         """The checkpoint folder of the run being resumed: the newest version with a `last` (a launch killed
         before its first checkpoint leaves a version without one, and the next launch starts a new one)."""
-        from ember.trainer.rundirs import versions_newest_first
+        from ember.checkpoint import versions_newest_first
 
         versions = versions_newest_first(self.root / RUN_NAME)
         for version in versions:

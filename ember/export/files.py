@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from ember.checkpoint.files import fsync_path
 from ember.export.checks import ExportError
 
 
@@ -30,19 +31,11 @@ def staged(path: Path) -> Iterator[Path]:
         mode = _default_file_mode(folder)
         for item in sorted(folder.iterdir(), key=lambda p: p.name == path.name):
             os.chmod(item, mode)  # some writers (safetensors) create files readable by their owner only
-            _fsync(item)
+            fsync_path(item)
             os.replace(item, path.parent / item.name)
-        _fsync(path.parent)
+        fsync_path(path.parent)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _default_file_mode(folder: Path) -> int:

@@ -21,8 +21,6 @@ from torch import Tensor
 from ember import checkpoint
 from ember.config import ConfigError, import_target, instantiate
 from ember.config.targets import nested_target, wrong_kind
-from ember.trainer.checkpointing import find_last
-from ember.trainer.rundirs import versions_newest_first
 from ember.trainer.setup import run_name
 
 if TYPE_CHECKING:
@@ -49,7 +47,7 @@ def find_checkpoint(ckpt: str, config: dict[str, Any] | None, module_class: str 
             raise ConfigError(
                 "--ckpt last: give the run's config with -c FILE (it names the run), or a checkpoint path"
             )
-        found = find_last(folders, versions_newest_first(root))
+        found = checkpoint.find_last(folders, checkpoint.versions_newest_first(root))
         if found is None:
             raise ConfigError(
                 f"--ckpt last: no complete checkpoint under {root}; train first (ember fit) or give a path"

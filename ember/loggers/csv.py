@@ -8,17 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ember.checkpoint.files import atomic_write
 from ember.loggers.logger import Logger, public_params
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` beside `path`, fsync, then rename over it: readers never see half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class CSVLogger(Logger):
@@ -58,7 +49,7 @@ class CSVLogger(Logger):
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
         text = OmegaConf.to_yaml(OmegaConf.create(_plain(public_params(params))))
-        write_atomic(self.log_dir / "hparams.yaml", text)
+        atomic_write(self.log_dir / "hparams.yaml", text)
 
     def save(self) -> None:
         """Write the buffered rows: appended when the columns are unchanged, else the file is rewritten atomically."""
@@ -75,7 +66,7 @@ class CSVLogger(Logger):
             writer = self._writer(buffer)
             writer.writeheader()
             writer.writerows(self._rows)
-            write_atomic(self.metrics_path, buffer.getvalue())
+            atomic_write(self.metrics_path, buffer.getvalue())
             self._header = list(self._columns)
         self._written = len(self._rows)
 

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 from ember import checkpoint as ckpt
 from ember.strategies import launcher
 from ember.trainer import signals, state
-from ember.trainer.rundirs import versions_newest_first
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -30,86 +29,33 @@ if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
 
-CHECKPOINT_SUBDIR = "checkpoints"
-
-
 def info(trainer: Trainer, message: str) -> None:
     """One line on stderr from the global-zero process."""
     if trainer.is_global_zero:
         print(f"ember: {message}", file=sys.stderr, flush=True)
 
 
-def checkpoint_dirs(trainer: Trainer) -> list[Path]:
-    """Folders an explicit `ModelCheckpoint(dirpath=...)` writes to."""
-    from ember.callbacks.model_checkpoint import ModelCheckpoint
-
-    return [Path(cb.dirpath) for cb in trainer.user_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
-
-
-def find_last(folders: list[Path], versions: list[Path], resumable: bool = False) -> tuple[Path, Path | None] | None:
-    """(checkpoint, its run directory) for the newest complete checkpoint, or None.
-
-    `folders` (explicit checkpoint folders) are searched first, then ``<version>/checkpoints`` of each of
-    `versions` (newest first); the run directory is None for an explicit folder. With `resumable`,
-    weights-only checkpoints are passed over. Used by the trainer, the CLI and ``ember export``.
-    """
-    for directory in folders:
-        found = ckpt.newest_valid(directory, resumable)
-        if found is not None:
-            return found, None
-    for version in versions:
-        found = ckpt.newest_valid(version / CHECKPOINT_SUBDIR, resumable)
-        if found is not None:
-            return found, version
-    return None
-
-
-def _find_best(trainer: Trainer, run_root: Path) -> Path:
-    """The best checkpoint of a `ModelCheckpoint(monitor=...)`: this trainer's, else the newest run's.
-
-    A path recorded in a checkpoint is data: only its name is used, looked up beside the checkpoint that
-    recorded it, so a crafted file cannot point anywhere else.
-    """
-    from ember.callbacks.model_checkpoint import ModelCheckpoint
-
-    for cb in trainer.user_callbacks:
-        if isinstance(cb, ModelCheckpoint) and cb.best_model_path:
-            return ckpt.resolve_path(Path(cb.best_model_path))
-    last = find_last(checkpoint_dirs(trainer), versions_newest_first(run_root))
-    if last is not None:
-        saved = ckpt.read_meta(last[0])["state"].get("callbacks", {})
-        for key, value in (saved.items() if isinstance(saved, dict) else ()):
-            best = value.get("best_model_path") if isinstance(value, dict) else None
-            if str(key).startswith("ModelCheckpoint") and isinstance(best, str) and best:
-                return ckpt.resolve_path(last[0].parent / Path(best).name)
-    raise ckpt.CheckpointError(
-        f"ckpt_path='best': no ModelCheckpoint with a monitored best checkpoint in this trainer or under {run_root}"
-    )
-
-
 def resolve_ckpt_path(
     trainer: Trainer, ckpt_path: str | os.PathLike[str] | None, run_root: Path, stage: str
 ) -> tuple[Path | None, Path | None]:
-    """(the checkpoint directory ``ckpt_path`` names, the run directory to continue or None).
-
-    Only ``"last"`` in fit continues a run directory (that of the checkpoint found); everything else
-    starts a new version. Fit looks for a checkpoint that can resume training (not weights-only).
-    """
+    """(the checkpoint `ckpt_path` names, the run directory fit continues or None); see
+    `ember.checkpoint.resolve_ckpt_path`. The folders of explicit ``ModelCheckpoint(dirpath=...)`` are
+    searched first, and ``"best"`` prefers this trainer's own record."""
     if ckpt_path is None:
         return None, None
-    if ckpt_path == "last":
-        found = find_last(checkpoint_dirs(trainer), versions_newest_first(run_root), resumable=stage == "fit")
-        if found is None:
-            if stage != "fit":
-                raise ckpt.CheckpointError(f"ckpt_path='last': no complete checkpoint under {run_root}")
-            info(trainer, f"no checkpoint under {run_root}; starting a new run")
-            return None, None
-        path, run_dir = found
-        info(trainer, f"{'resuming from' if stage == 'fit' else 'loading'} {path}")
-        return path, run_dir if stage == "fit" else None
-    if ckpt_path == "best":
-        return _find_best(trainer, run_root), None
-    return ckpt.resolve_path(Path(ckpt_path)), None
+    savers = [cb for cb in trainer.user_callbacks if isinstance(cb, _model_checkpoint_class())]
+    folders = [Path(cb.dirpath) for cb in savers if cb.dirpath]
+    known_best = next((cb.best_model_path for cb in savers if cb.best_model_path), None)
+    path, run_dir, message = ckpt.resolve_ckpt_path(ckpt_path, run_root, stage, folders, known_best)
+    if message is not None:
+        info(trainer, message)
+    return path, run_dir
+
+
+def _model_checkpoint_class() -> type[ModelCheckpoint]:
+    from ember.callbacks.model_checkpoint import ModelCheckpoint
+
+    return ModelCheckpoint
 
 
 OnDone = Callable[[Path], None]
@@ -282,12 +228,7 @@ def finish_writes_quietly(trainer: Trainer) -> None:
 def resumable_saver(trainer: Trainer) -> ModelCheckpoint | None:
     """The `ModelCheckpoint` that writes the checkpoints a stop or preemption saves: the first one that
     writes full (resumable) checkpoints; None when every one saves weights only (or there is none)."""
-    from ember.callbacks.model_checkpoint import ModelCheckpoint
-
-    for cb in trainer.callbacks:
-        if isinstance(cb, ModelCheckpoint) and not cb.save_weights_only:
-            return cb
-    return None
+    return next((cb for cb in trainer.checkpoint_callbacks if not cb.save_weights_only), None)
 
 
 def handle_preemption(trainer: Trainer, module: TrainingModule, signum: int) -> None:
@@ -308,7 +249,7 @@ def handle_preemption(trainer: Trainer, module: TrainingModule, signum: int) -> 
     elif saver is not None:
         saver.save_for_preemption(trainer)
     else:
-        path = trainer.run_dir / CHECKPOINT_SUBDIR / f"preempted-step={trainer.global_step}"
+        path = trainer.run_dir / ckpt.CHECKPOINT_SUBDIR / f"preempted-step={trainer.global_step}"
         if not path.exists():
             trainer._writer.request(path, False, False, True, None)
     for request in trainer._writer.pending:

@@ -97,7 +97,7 @@ def record_hyperparameters(trainer: Trainer, module: TrainingModule, resumed: bo
     if trainer.run_config is not None and not trainer.fast_dev_run:
         from omegaconf import OmegaConf
 
-        from ember.loggers.csv import write_atomic
+        from ember.checkpoint.files import atomic_write
 
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
         target = trainer.run_dir / "config.yaml"
@@ -106,7 +106,7 @@ def record_hyperparameters(trainer: Trainer, module: TrainingModule, resumed: bo
             while (trainer.run_dir / f"config-resume-{n}.yaml").exists():
                 n += 1
             target = trainer.run_dir / f"config-resume-{n}.yaml"
-        write_atomic(target, OmegaConf.to_yaml(OmegaConf.create(trainer.run_config)))
+        atomic_write(target, OmegaConf.to_yaml(OmegaConf.create(trainer.run_config)))
     params = trainer.run_config if trainer.run_config is not None else dict(module.hparams)
     if params:
         for logger in trainer.loggers:

@@ -21,6 +21,7 @@ from torch.utils.data import IterableDataset
 
 import ember
 from ember import checkpoint as ckpt
+from ember.checkpoint import writing
 from ember.trainer.resume import capture_loader_generators, capture_rng
 
 if TYPE_CHECKING:
@@ -283,11 +284,11 @@ def _copy_into(staging: dict[str, Tensor] | None, key: str, value: Tensor) -> Te
 
 def stage(path: Path, snapshot: Snapshot, set_last: bool = False) -> ckpt.StagedCheckpoint:
     """One process: write the snapshot's files now; the result's ``finish()`` makes them the checkpoint."""
-    return ckpt.stage_checkpoint(path, snapshot.meta, snapshot.tensors, snapshot.rank_state, set_last)
+    return writing.stage_checkpoint(path, snapshot.meta, snapshot.tensors, snapshot.rank_state, set_last)
 
 
 def write(path: Path, snapshot: Snapshot, set_last: bool = False) -> Path:
-    return ckpt.write_checkpoint(
+    return writing.write_checkpoint(
         path,
         snapshot.meta,
         snapshot.tensors,

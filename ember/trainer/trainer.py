@@ -19,8 +19,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from ember import checkpoint as ckpt
 from ember.callbacks.callback import Callback
 from ember.callbacks.callback_list import CallbackList
+from ember.callbacks.model_checkpoint import ModelCheckpoint
 from ember.loggers.logger import Logger
 from ember.modules.datamodule import DataModule
 from ember.modules.logging import MetricCollector, to_floats
@@ -33,7 +35,6 @@ from ember.trainer.data import EpochPlan, check_not_empty, num_batches, resolve_
 from ember.trainer.numerics import FiniteGuard
 from ember.trainer.optimization import setup_optimizers
 from ember.trainer.progress import Progress
-from ember.trainer.rundirs import claim_version, release_if_empty
 
 _LIMIT_NAME = {"validation": "val", "test": "test", "predict": "predict"}
 
@@ -254,6 +255,11 @@ class Trainer:
         """All callbacks of the current run: the user's plus the defaults ember added."""
         return self.hooks.callbacks
 
+    @property
+    def checkpoint_callbacks(self) -> list[ModelCheckpoint]:
+        """The `ModelCheckpoint` callbacks of the current run, in order."""
+        return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+
     # --- entry points ---------------------------------------------------------
     def fit(
         self,
@@ -385,7 +391,7 @@ class Trainer:
             self._run_dir = continued
         elif self._run_dir is None:
             # Process 0 claims a new version directory (an exclusive mkdir); every process uses it.
-            claimed = claim_version(root) if self.is_global_zero else None
+            claimed = ckpt.claim_version(root) if self.is_global_zero else None
             self._run_dir = self.strategy.broadcast(claimed[0] if claimed is not None else None)
         for logger in self.loggers:
             logger.attach(self.run_dir)
@@ -431,7 +437,7 @@ class Trainer:
             self.strategy.teardown()
             self.stage = None
             if claimed is not None:
-                release_if_empty(*claimed)
+                ckpt.release_if_empty(*claimed)
 
     def save_checkpoint(
         self,

@@ -34,9 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ember import Callback, Trainer, TrainingModule, dcp_writer, seed_everything
+from ember import Callback, Trainer, TrainingModule, seed_everything
 from ember import checkpoint as ckpt
 from ember.callbacks.model_checkpoint import ModelCheckpoint
+from ember.checkpoint import dcp_writer
 from ember.trainer import state
 
 pytestmark = pytest.mark.slow
@@ -357,13 +358,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 import ember
-from ember import checkpoint as ckpt
+from ember.checkpoint import writing
 
-original = ckpt.write_checkpoint
+original = writing.write_checkpoint
 def slow_disk(*args, **kwargs):
     time.sleep(0.5)
     return original(*args, **kwargs)
-ckpt.write_checkpoint = slow_disk
+writing.write_checkpoint = slow_disk
 
 class Net(ember.TrainingModule):
     def __init__(self):

@@ -28,7 +28,7 @@ import dist_harness as harness
 
 
 def _claim_at(root: str, start_at: float, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    from ember.trainer.rundirs import claim_version
+    from ember.checkpoint import claim_version
 
     while time.time() < start_at:
         pass  # spin: every process leaves at the same instant
@@ -50,7 +50,7 @@ def test_processes_claiming_at_the_same_instant_get_distinct_versions(tmp_path: 
 
 
 def test_threads_claiming_together_get_distinct_versions(tmp_path: Path) -> None:
-    from ember.trainer.rundirs import claim_version
+    from ember.checkpoint import claim_version
 
     claimed: list[Path] = []
     barrier = threading.Barrier(8)

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ember
 from ember import checkpoint as ckpt
 from ember.callbacks import ModelCheckpoint
+from ember.checkpoint import writing
 
 
 class Net(ember.TrainingModule):
@@ -44,7 +45,7 @@ def loader() -> DataLoader:
 def test_the_k_newest_complete_checkpoints_survive_a_failed_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool, top_k: int, failing_save: int
 ) -> None:
-    write_files = ckpt._write_files
+    write_files = writing._write_files
     calls = {"n": 0}
 
     def failing(*args: Any, **kwargs: Any) -> Any:
@@ -53,7 +54,7 @@ def test_the_k_newest_complete_checkpoints_survive_a_failed_save(
             raise OSError(errno.ENOSPC, "No space left on device")
         return write_files(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt, "_write_files", failing)
+    monkeypatch.setattr(writing, "_write_files", failing)
     folder = tmp_path / "ckpts"
     saver = ModelCheckpoint(folder, filename="{step}", every_n_train_steps=2, save_top_k=top_k, async_save=async_save)
     trainer = ember.Trainer(max_epochs=1, callbacks=[saver], logger=False, enable_progress_bar=False,

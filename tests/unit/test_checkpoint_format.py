@@ -32,10 +32,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ember import Callback, Trainer, TrainingModule, dcp_writer
+from ember import Callback, Trainer, TrainingModule
 from ember import checkpoint as ckpt
 from ember.callbacks.model_checkpoint import ModelCheckpoint
-from ember.checkpoint import CheckpointError
+from ember.checkpoint import CheckpointError, dcp_writer
 
 QUIET: dict[str, Any] = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
 SHARD = "__0_0.distcp"

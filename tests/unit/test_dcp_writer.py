@@ -1,6 +1,6 @@
 """ember's one-process writer produces what ``dcp.save`` produces, and both readers read it.
 
-`ember.dcp_writer.write_tensors` skips DCP's planning; these tests hold it to
+`ember.checkpoint.dcp_writer.write_tensors` skips DCP's planning; these tests hold it to
 DCP's layout: the same metadata (every field but the save's id and path), the
 same bytes in the data file (each tensor's exactly what ``torch.save`` writes),
 loadable by stock ``dcp.load`` and by ember's restricted reader, bitwise.
@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ember import checkpoint as ckpt
-from ember import dcp_writer
+from ember.checkpoint import dcp_writer, writing
 
 
 def state() -> dict[str, torch.Tensor]:
@@ -173,7 +173,7 @@ def test_checkpoints_take_the_matching_writer(tmp_path: Path, many: bool, monkey
     original_ember, original_dcp = dcp_writer.write_tensors, dcp.save
     monkeypatch.setattr(dcp_writer, "write_tensors", lambda *a, **k: (used.append("ember"), original_ember(*a, **k)))
     monkeypatch.setattr(dcp, "save", lambda *a, **k: (used.append("dcp"), original_dcp(*a, **k)))
-    monkeypatch.setattr(ckpt, "_PARALLEL_WRITE_BYTES", 16 if many else 2**30)
+    monkeypatch.setattr(writing, "_PARALLEL_WRITE_BYTES", 16 if many else 2**30)
     tensors = {"/module/w": torch.randn(4, 4)}
     ckpt.write_checkpoint(tmp_path / "c", {}, tensors, {})
     assert used == (["dcp"] if many else ["ember"])

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ember import Trainer, TrainingModule
 from ember import checkpoint as ckpt
 from ember.callbacks.model_checkpoint import ModelCheckpoint
+from ember.checkpoint import writing
 
 QUIET: dict[str, Any] = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
 
@@ -44,7 +45,7 @@ def loader() -> DataLoader:
 def threads_of(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
     """Which thread staged (wrote the files of) and finished each checkpoint, by name."""
     seen: dict[str, list[str]] = {"stage": [], "finish": []}
-    stage, finish = ckpt.stage_checkpoint, ckpt.StagedCheckpoint.finish
+    stage, finish = writing.stage_checkpoint, ckpt.StagedCheckpoint.finish
 
     def logged_stage(path: Path, *args: Any, **kwargs: Any) -> ckpt.StagedCheckpoint:
         seen["stage"].append(f"{path.name}@{threading.current_thread().name}")
@@ -54,7 +55,7 @@ def threads_of(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
         seen["finish"].append(f"{self.path.name}@{threading.current_thread().name}")
         return finish(self)
 
-    monkeypatch.setattr(ckpt, "stage_checkpoint", logged_stage)
+    monkeypatch.setattr(writing, "stage_checkpoint", logged_stage)
     monkeypatch.setattr(ckpt.StagedCheckpoint, "finish", logged_finish)
     return seen
 

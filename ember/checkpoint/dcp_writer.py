@@ -25,89 +25,19 @@ and from then on only copies the data: about 3x faster per tensor.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import sys
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, cast
 
 import torch
 from torch import Tensor
 
+from ember.checkpoint.files import GuardedFile, guarded_open
+
 DATA_FILE = "__0_0.distcp"
 METADATA_FILE = ".metadata"
-
-
-class GuardedFile:
-    """A binary file whose ``write`` never raises into torch's C++ serializer.
-
-    ``torch.save`` and `save_tensor` write through a C++ stream writer; when a write fails (ENOSPC),
-    the exception leaves that writer unfinished, and its destructor then throws again, which aborts
-    the whole process (``terminate called after throwing an instance of 'c10::Error'``). This wrapper
-    records the first `OSError`, pretends every later write succeeded (so the writer finishes
-    normally), and `check` raises the recorded error once the writer is done with the file.
-    """
-
-    def __init__(self, raw: IO[bytes]) -> None:
-        self.raw = raw
-        self.error: OSError | None = None
-        self._lost = 0  # bytes pretended written after the error
-
-    def write(self, data: Any) -> int:
-        size = memoryview(data).nbytes
-        if self.error is None:
-            try:
-                self.raw.write(data)
-                return size
-            except OSError as exc:
-                self.error = exc
-        self._lost += size
-        return size
-
-    def tell(self) -> int:
-        return self.raw.tell() + self._lost
-
-    def flush(self) -> None:
-        if self.error is None:
-            try:
-                self.raw.flush()
-            except OSError as exc:
-                self.error = exc
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    @property
-    def name(self) -> Any:
-        return self.raw.name
-
-    def writable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        """Flush only: the file is closed by whoever opened it (`guarded_open`)."""
-        self.flush()
-
-    def check(self) -> None:
-        """Raise the first write error, if any (call after the serializer is finished)."""
-        if self.error is not None:
-            raise self.error
-
-
-@contextmanager
-def guarded_open(path: Path, sync: bool) -> Iterator[GuardedFile]:
-    """``open(path, "wb")`` as a `GuardedFile`: flushed (and fsynced with `sync`) on success; its write
-    error raised once the block is done."""
-    with open(path, "wb") as raw:
-        f = GuardedFile(raw)
-        yield f
-        f.flush()
-        f.check()
-        if sync:
-            os.fsync(raw.fileno())
 
 
 def can_write(tensors: dict[str, Tensor]) -> bool:

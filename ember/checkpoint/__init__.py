@@ -1,0 +1,94 @@
+"""Checkpoints: one format for every strategy, written atomically, read without running code.
+
+The package, by concern (docs/architecture.md):
+
+- `format`: what a checkpoint directory holds, the checks ``ember.pt`` must pass, the errors;
+- `files`: fsync, atomic replacement, writes that fail cleanly, reads that never block (used by the
+  loggers and exports too);
+- `writing`: one process or many, sync or staged for a background finish, the ``last`` pointer;
+- `reading`: metadata, ``ember.pt``, tensors, loading weights with errors that say what differs;
+- `locating`: run directories (claimed atomically), ``last``, ``best``, what a ``ckpt_path`` names;
+- `dcp_writer`, `dcp_metadata`: torch.distributed.checkpoint's files, written fast for one process and
+  read through a restricted unpickler.
+
+What goes *into* a checkpoint (the registry of stateful objects) is the trainer's: `ember.trainer.state`;
+when to save is `ember.callbacks.ModelCheckpoint`'s.
+"""
+
+from ember.checkpoint.format import (
+    FORMAT_VERSION,
+    LAST_FILE,
+    META_FILE,
+    CheckpointError,
+    CheckpointWriteError,
+    join_checked,
+    join_tensors,
+    split_tensors,
+)
+from ember.checkpoint.locating import (
+    CHECKPOINT_SUBDIR,
+    checkpoints_in,
+    claim_version,
+    find_best,
+    find_last,
+    newest_valid,
+    read_pointer,
+    release_if_empty,
+    resolve_ckpt_path,
+    resolve_path,
+    versions_newest_first,
+)
+from ember.checkpoint.reading import (
+    check_complete,
+    differences,
+    load_weights_into,
+    mismatch_hint,
+    read_meta,
+    read_metadata,
+    read_module_state,
+    read_rank_meta,
+    read_tensors,
+)
+from ember.checkpoint.writing import (
+    StagedCheckpoint,
+    point_last_at,
+    save_weights,
+    stage_checkpoint,
+    write_checkpoint,
+)
+
+__all__ = [
+    "CHECKPOINT_SUBDIR",
+    "FORMAT_VERSION",
+    "LAST_FILE",
+    "META_FILE",
+    "CheckpointError",
+    "CheckpointWriteError",
+    "StagedCheckpoint",
+    "check_complete",
+    "checkpoints_in",
+    "claim_version",
+    "differences",
+    "find_best",
+    "find_last",
+    "join_checked",
+    "join_tensors",
+    "load_weights_into",
+    "mismatch_hint",
+    "newest_valid",
+    "point_last_at",
+    "read_meta",
+    "read_metadata",
+    "read_module_state",
+    "read_pointer",
+    "read_rank_meta",
+    "read_tensors",
+    "release_if_empty",
+    "resolve_ckpt_path",
+    "resolve_path",
+    "save_weights",
+    "split_tensors",
+    "stage_checkpoint",
+    "versions_newest_first",
+    "write_checkpoint",
+]
