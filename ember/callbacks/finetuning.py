@@ -15,7 +15,7 @@ Resuming is exact: the callback's state (the epoch it unfroze at and the backbon
 checkpointed, and on resume the parameter group is added back in ``on_load_checkpoint``, before
 ember loads the optimizer state (the rebuilt optimizer holds the head only).
 
-`freeze` and `unfreeze` work on any ``nn.Module`` (``TrainingModule.freeze()``/``unfreeze()`` do
+`freeze` and `unfreeze` (from `ember.modules.freezing`) work on any ``nn.Module`` (``TrainingModule.freeze()``/``unfreeze()`` do
 the same for a whole TrainingModule).
 """
 
@@ -29,50 +29,11 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ember.callbacks.callback import Callback
+from ember.modules.freezing import freeze, set_frozen_mode, unfreeze
 
 if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
-
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
-
-def _is_batch_norm(module: nn.Module) -> bool:
-    return isinstance(module, _BATCH_NORMS)
-
-
-def freeze(module: nn.Module, train_bn: bool = False) -> nn.Module:
-    """Stop training `module`: ``requires_grad=False`` on its parameters and eval mode.
-
-    With ``train_bn=True`` its BatchNorm layers stay trainable and in train mode (their affine
-    parameters learn and their running statistics follow the new data). Returns `module`.
-    """
-    for param in module.parameters():
-        param.requires_grad_(False)
-    if train_bn:
-        for sub in module.modules():
-            if _is_batch_norm(sub):
-                for param in sub.parameters():
-                    param.requires_grad_(True)
-    set_frozen_mode(module, train_bn)
-    return module
-
-
-def set_frozen_mode(module: nn.Module, train_bn: bool = False) -> None:
-    """Eval mode for a frozen `module`; with ``train_bn``, its BatchNorm layers in train mode."""
-    module.eval()
-    if train_bn:
-        for sub in module.modules():
-            if _is_batch_norm(sub):
-                sub.train()
-
-
-def unfreeze(module: nn.Module) -> nn.Module:
-    """Undo `freeze`: every parameter of `module` trains again and it is in train mode. Returns `module`."""
-    for param in module.parameters():
-        param.requires_grad_(True)
-    return module.train()
-
 
 class BackboneFinetuning(Callback):
     """Freeze ``module.<backbone_attr>`` when fit starts; unfreeze it at epoch `unfreeze_at_epoch`.

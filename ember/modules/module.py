@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import Self
 
+from ember.modules.freezing import freeze, unfreeze
 from ember.modules.hparams import AttributeDict, collect_init_args
 
 if TYPE_CHECKING:
@@ -132,15 +133,11 @@ class TrainingModule(nn.Module):
         neither update its running statistics nor drop activations. Returns the
         module, so ``backbone.freeze()`` chains.
         """
-        from ember.callbacks.finetuning import freeze
-
         freeze(self)
         return self
 
     def unfreeze(self) -> Self:
         """Undo `freeze`: every parameter trains again and the module is in train mode."""
-        from ember.callbacks.finetuning import unfreeze
-
         unfreeze(self)
         return self
 

@@ -26,10 +26,6 @@ class ClusterEnvironment:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
 
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1 or self.kind != "single"
-
     def export(self) -> None:
         """Set the variables ``init_process_group`` reads (torchrun sets them already)."""
         os.environ.setdefault("MASTER_ADDR", self.master_addr)

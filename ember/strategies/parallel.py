@@ -8,7 +8,6 @@ NCCL on CUDA and gloo on CPU.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import math
 import os
 import time
@@ -223,10 +222,6 @@ class ParallelStrategy(Strategy):
         tensor = torch.tensor([1 if flag else 0, -proposal], dtype=torch.int64)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.flag_group, async_op=True)
         return work, tensor
-
-    @contextlib.contextmanager
-    def model_sharded_context(self) -> Iterator[None]:
-        yield
 
     def preemption_requested(self, local: bool) -> bool:
         """Whether any process got a preemption signal, agreed without a blocking collective.

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -229,10 +228,6 @@ class Strategy:
 
     def check_same_batch_count(self, count: float) -> None:
         """Several processes must train on the same number of batches per epoch; one process always does."""
-
-    @contextlib.contextmanager
-    def model_sharded_context(self) -> Iterator[None]:
-        yield
 
     def teardown(self) -> None:
         pass

@@ -170,10 +170,6 @@ class CheckpointWriter:
         self.wait()
         self._staging = {}
 
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def wait(self) -> None:
         """Block until the background write (if any) is finished; raise its error."""
         if self._thread is not None:

@@ -163,7 +163,7 @@ def test_an_interactive_slurm_shell_is_a_single_process(name: str) -> None:
 def test_no_launcher_is_a_single_process() -> None:
     found = detect({"PATH": "/usr/bin", "SLURM_JOB_ID": "1"})  # SLURM_JOB_ID alone: e.g. salloc, no srun
     assert found == ClusterEnvironment(kind="single")
-    assert not found.is_distributed
+    assert found.world_size == 1
 
 
 @pytest.mark.parametrize(
