@@ -15,8 +15,8 @@ Resuming is exact: the callback's state (the epoch it unfroze at and the backbon
 checkpointed, and on resume the parameter group is added back in ``on_load_checkpoint``, before
 ember loads the optimizer state (the rebuilt optimizer holds the head only).
 
-`freeze` and `unfreeze` (from `ember.modules.freezing`) work on any ``nn.Module`` (``TrainingModule.freeze()``/``unfreeze()`` do
-the same for a whole TrainingModule).
+`freeze` and `unfreeze` (from `ember.modules.freezing`) work on any ``nn.Module``
+(``TrainingModule.freeze()``/``unfreeze()`` do the same for a whole TrainingModule).
 """
 
 from __future__ import annotations
