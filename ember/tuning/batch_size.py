@@ -57,6 +57,10 @@ def parse_bytes(value: int | str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+class BatchSizeError(RuntimeError):
+    """No batch size fits: the smallest one tried already ran out of memory or over the budget."""
+
+
 @dataclass
 class Trial:
     """One batch size tried: whether it fitted (on every process), its peak bytes (the largest over the processes;
@@ -101,7 +105,7 @@ def search(fits: Callable[[int], bool], init_size: int, max_size: int, mode: str
             return size, "max_size"
         size *= 2
     if last_good == 0:
-        raise RuntimeError(
+        raise BatchSizeError(
             f"batch size {init_size} does not fit already; lower init_size, raise the memory budget or "
             "make the model smaller"
         )

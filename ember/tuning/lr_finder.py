@@ -210,7 +210,7 @@ def lr_find(
     """
     from ember.tuning.scratch import KeepLoaderGenerators, Snapshot, check_supported, release, scratch_trainer
 
-    _check_options(min_lr, max_lr, num_steps, mode, beta, divergence_factor)
+    check_options(min_lr, max_lr, num_steps, mode, beta, divergence_factor)
     check_supported(trainer, "lr_find")
     lrs = lr_schedule(min_lr, max_lr, num_steps, mode)
     test = _RangeTest(lrs, beta, divergence_factor)
@@ -246,7 +246,8 @@ def lr_find(
     return result
 
 
-def _check_options(min_lr: float, max_lr: float, num_steps: int, mode: str, beta: float, factor: float) -> None:
+def check_options(min_lr: float, max_lr: float, num_steps: int, mode: str, beta: float, factor: float) -> None:
+    """Raise `ValueError` for options `lr_find` cannot run with (before anything is built)."""
     if mode not in _MODES:
         raise ValueError(f"lr_find: mode={mode!r}; choose 'exponential' or 'linear'")
     if not (isinstance(min_lr, (int, float)) and isinstance(max_lr, (int, float)) and 0 < min_lr < max_lr):

@@ -268,5 +268,6 @@ def _parameter(key: str, spec: Any, error: Any) -> Parameter:
 
 
 def override(key: str, value: Any) -> str:
-    """``key=value`` as a command-line override that reads back as the same value."""
-    return f"{key}={json.dumps(value)}"
+    """``key=value`` as a command-line override that reads back as the same value (JSON is YAML). A string
+    holding ``${...}`` stays an interpolation, as it would in a config file."""
+    return f"{key}={json.dumps(value, ensure_ascii=False)}"
