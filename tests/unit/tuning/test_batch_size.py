@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,7 @@ def test_the_answer_is_the_largest_size_under_the_budget_by_measured_peaks(tiny:
     for trial in result.trials:  # every verdict is the budget against the peak measured in that trial
         assert trial.peak_bytes is not None and trial.fits == (trial.peak_bytes <= budget), trial
     by_size = sorted(result.trials, key=lambda t: t.batch_size)
-    for smaller, larger in zip(by_size, by_size[1:], strict=False):
+    for smaller, larger in itertools.pairwise(by_size):
         assert smaller.peak_bytes is not None and larger.peak_bytes is not None
         assert larger.peak_bytes > smaller.peak_bytes  # the peak grows with the batch
     slope = (by_size[-1].peak_bytes - by_size[0].peak_bytes) / (by_size[-1].batch_size - by_size[0].batch_size)
