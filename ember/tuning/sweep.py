@@ -163,10 +163,19 @@ def run_sweep(
                 load_if_exists=True,
             )
             _recover(where, storage, study, verbose)
-            _run_workers(where, workers, storage, study, space, verbose)
+            if _remaining(study, trials, max_failures):
+                _run_workers(where, workers, storage, study, space, verbose)
             return report(where, study, space, spec, verbose)
     except BlockingIOError:
         raise ConfigError(f"another `ember sweep` is running in {where}; wait for it or give another --dir") from None
+
+
+def _remaining(study: Any, trials: int, max_failures: int) -> bool:
+    """Whether workers have anything to do (the same rule the workers apply before each trial)."""
+    states = [(t.state.name, "error" in t.user_attrs) for t in study.get_trials(deepcopy=False)]
+    done = sum(state in FINISHED for state, _ in states)
+    errors = sum(state == "FAIL" and error for state, error in states)
+    return done < trials and errors < max_failures
 
 
 def _check_same_sweep(where: Path, spec: dict[str, Any]) -> None:
