@@ -352,7 +352,7 @@ def _figure(result: LRFinderResult) -> Figure:
     ax.set_ylabel("training loss")
     ax.set_title("learning-rate range test")
     ax.legend(loc="upper left")
-    ax.grid(True, which="both", alpha=0.3)
+    ax.grid(True, which="major", alpha=0.3)
     return figure
 
 

@@ -232,7 +232,7 @@ def set_user_attr(storage: Any, study: Any, number: int, key: str, value: Any) -
 def _run_workers(where: Path, count: int, storage: Any, study: Any, space: SweepSpace, verbose: bool) -> None:
     """Start `count` workers, print trials as they finish, replace a worker that dies (up to 3 times)."""
     (where / "logs").mkdir(exist_ok=True)
-    procs = {k: _start_worker(where, k) for k in range(count)}
+    procs = {k: _start_worker(where, k, count) for k in range(count)}
     reported = {t.number for t in study.get_trials(deepcopy=False) if t.state.name in (*FINISHED, "FAIL")}
     restarts = 0
     try:
@@ -248,7 +248,7 @@ def _run_workers(where: Path, count: int, storage: Any, study: Any, space: Sweep
                     _worker_died(where, storage, study, k, code)
                     if restarts < 3:
                         restarts += 1
-                        procs[k] = _start_worker(where, k)
+                        procs[k] = _start_worker(where, k, count)
         _print_finished(study, reported, space, verbose)
     except BaseException:
         for proc in procs.values():
@@ -261,9 +261,10 @@ def _run_workers(where: Path, count: int, storage: Any, study: Any, space: Sweep
         raise
 
 
-def _start_worker(where: Path, index: int) -> subprocess.Popen[bytes]:
+def _start_worker(where: Path, index: int, count: int) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // count)))  # the workers share the CPU
     with open(where / "logs" / f"worker-{index}.log", "ab") as log:
         log.write(f"== worker {index} starts at {time.strftime('%Y-%m-%d %H:%M:%S')} ==\n".encode())
         log.flush()
