@@ -224,7 +224,7 @@ class Profiler:
     def begin(self, trainer: Trainer, stage: str) -> None:
         """Called by the trainer first thing in fit/validate/test/predict."""
         self._stats, self._stack, self._traces = {}, [], []
-        self._stage, self._trainer = stage, trainer
+        self._stage, self._trainer, self._open_phase = stage, trainer, None  # a run rejected before it began left some
         self.start(f"{stage} (other)")
         self._phase("setup")
 

@@ -134,3 +134,22 @@ def test_profiler_option_forms() -> None:
     assert resolve_profiler(same) is same
     with pytest.raises(ValueError, match="active=0"):
         ProfilerConfig(active=0)
+
+
+def test_a_run_rejected_before_it_starts_leaves_the_next_report_whole(tiny: Any, tmp_path: Path) -> None:
+    Net, Blobs, make = tiny
+
+    class Misspelt(ember.Callback):
+        def on_train_epoch_ends(self, trainer: Any, module: Any) -> None:
+            pass
+
+    trainer = make(default_root_dir=tmp_path, max_epochs=1, profiler=ProfilerConfig(print_table=False))
+    trainer.user_callbacks.append(Misspelt())
+    with pytest.raises(AttributeError, match="on_train_epoch_ends"):
+        trainer.fit(Net(), datamodule=Blobs())
+    trainer.user_callbacks.pop()
+    trainer.fit(Net(), datamodule=Blobs())
+    report = trainer.profiler.reports[-1]
+    names = [a.name for a in report.actions]
+    assert names.count("fit (other)") == 1 and "setup" in names and "train/forward" in names
+    assert sum(a.self for a in report.actions) == pytest.approx(report.wall_s, rel=1e-6)
