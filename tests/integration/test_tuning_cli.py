@@ -73,6 +73,9 @@ def test_tune_batch_size_prints_the_override(
         (["tune", "batch-size", "-c", str(DIGITS)], "needs memory_budget"),
         (["tune", "batch-size", "-c", str(DIGITS), "--attr", "bs", "--max-size", "4"], "has no attribute 'bs'"),
         (["fit", "-c", str(DIGITS), "trainer.profiler=fancy"], "profiler='fancy'"),
+        (["sweep", "-c", str(DIGITS), "--space", "nope.yaml", "--trials", "2"], "nope.yaml: cannot read the sweep"),
+        (["sweep", "--space", "s.yaml", "--trials", "2"], "give the base config with -c FILE"),
+        (["sweep", "-c", str(DIGITS), "--space", "s.yaml", "--trials", "0"], "--trials, --workers and"),
     ],
 )
 def test_mistakes_are_one_line_and_exit_2(
