@@ -183,13 +183,17 @@ def sweep(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if not args.config:
         raise ConfigError("ember sweep: give the base config with -c FILE")
-    result = run_sweep(
-        args.config,
-        overrides,
-        args.space,
-        trials=args.trials,
-        workers=args.workers,
-        directory=args.dir,
-        max_failures=args.max_failures,
-    )
+    try:
+        result = run_sweep(
+            args.config,
+            overrides,
+            args.space,
+            trials=args.trials,
+            workers=args.workers,
+            directory=args.dir,
+            max_failures=args.max_failures,
+        )
+    except KeyboardInterrupt:
+        print("ember: interrupted; run the same command to continue the sweep", file=sys.stderr)
+        return 130
     return 0 if result.complete + result.pruned >= args.trials else 1
