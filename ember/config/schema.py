@@ -59,6 +59,7 @@ class TrainerConfig:
     use_distributed_sampler: bool = True
     nonfinite_loss: str | None = None
     compile: Any = False  # true, false, or a mapping of torch.compile keywords
+    profiler: Any = None  # null, simple, pytorch, or a mapping of ProfilerConfig fields
 
 
 @dataclass

@@ -74,6 +74,8 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
         progress.validated_after = -1
     hooks.on_train_epoch_start()
     batches = islice_from(open_epoch(trainer, loader, start), start, plan.num_batches)
+    if trainer.profiler is not None:  # once per epoch: the batches' fetch times (ember/tuning/profiler.py)
+        batches = trainer.profiler.time_batches(batches)
     plain = steps_are_plain(trainer, module)  # decided after the epoch-start hooks, which may change the options
     (run_plain_batches if plain else run_batches)(trainer, module, batches, val_loaders if validates else None)
     if trainer._window_has_grads:  # a loader without a length ended inside an accumulation window

@@ -64,6 +64,7 @@ def steps_are_plain(trainer: Trainer, module: TrainingModule) -> bool:
         and trainer.gradient_clip_val is None
         and trainer.epoch_plan.accumulate == 1
         and not any(trainer.hooks.implemented(name) for name in _STEP_HOOKS)
+        and trainer.profiler is None  # the profiler times the strategy's step methods, which the plain path skips
     )
 
 

@@ -71,6 +71,8 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
         ParameterHistograms
     ):
         wanted.append(ParameterHistograms())
+    if trainer.profiler is not None:
+        wanted.append(trainer.profiler.callback)
     return wanted
 
 

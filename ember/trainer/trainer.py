@@ -13,7 +13,7 @@ import signal
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,6 +37,15 @@ from ember.trainer.optimization import setup_optimizers
 from ember.trainer.progress import Progress
 
 _LIMIT_NAME = {"validation": "val", "test": "test", "predict": "predict"}
+
+if TYPE_CHECKING:
+    from ember.tuning.profiler import Profiler, ProfilerConfig
+
+
+def _resolve_profiler(value: Any) -> Profiler | None:
+    from ember.tuning.profiler import resolve_profiler  # only a run with a profiler loads it
+
+    return resolve_profiler(value)
 
 
 class Trainer:
@@ -85,6 +94,7 @@ class Trainer:
         use_distributed_sampler: bool = True,
         nonfinite_loss: str | None = None,
         compile: bool | dict[str, Any] = False,
+        profiler: str | ProfilerConfig | Profiler | dict[str, Any] | None = None,
     ) -> None:
         options.check(
             accumulate_grad_batches=accumulate_grad_batches,
@@ -140,6 +150,8 @@ class Trainer:
         self.detect_anomaly = detect_anomaly
         self._finite_guard = FiniteGuard(nonfinite_loss)
         self.compile_options = options.compile_options(compile)
+        #: ``Trainer(profiler=...)``: times the run's actions and hooks (ember/tuning/profiler.py); None: off.
+        self.profiler = None if profiler is None else _resolve_profiler(profiler)
 
         self.progress = Progress()
         self.should_stop = False
@@ -373,6 +385,8 @@ class Trainer:
     ) -> Iterator[None]:
         if not isinstance(module, TrainingModule):
             raise TypeError(f"expected an ember.TrainingModule, got {type(module).__qualname__}")
+        if self.profiler is not None:
+            self.profiler.begin(self, stage)
         from ember.trainer.setup import default_callbacks, resolve_loggers, run_name
 
         # What can reject the run comes first, so a rejected run leaves the trainer idle.
@@ -438,6 +452,8 @@ class Trainer:
             self.stage = None
             if claimed is not None:
                 ckpt.release_if_empty(*claimed)
+            if self.profiler is not None:
+                self.profiler.end(self)
 
     def save_checkpoint(
         self,
