@@ -10,6 +10,7 @@ import math
 import random
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -71,9 +72,12 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
         collector.start_epoch("train")
         progress.validated_after = -1
     hooks.on_train_epoch_start()
-    batches = islice_from(open_epoch(trainer, loader, start), start, plan.num_batches)
+    iterator = open_epoch(trainer, loader, start)
+    batches = islice_from(iterator, start, plan.num_batches)
     plain = steps_are_plain(trainer, module)  # decided after the epoch-start hooks, which may change the options
     (run_plain_batches if plain else run_batches)(trainer, module, batches, val_loaders if validates else None)
+    if progress.batch_idx == plan.num_batches == loader_length(loader):  # the whole epoch, not cut by a limit
+        finish_epoch(iterator, loader)
     if trainer._window_has_grads:  # a loader without a length ended inside an accumulation window
         optimizer_step(trainer, trainer.optimizers[0])
     last = progress.batch_idx - 1
@@ -179,6 +183,36 @@ def open_epoch(trainer: Trainer, loader: Any, start: int) -> Iterator[Any]:
         return iter(loader)
     assert resumed is not None, "a run inside an epoch always comes from a checkpoint"
     return open_resumed_epoch(loader, start, trainer.epoch_start_state, resumed)
+
+
+def finish_epoch(iterator: Iterator[Any], loader: Any) -> None:
+    """Ask the epoch's iterator once more after its last batch, as a ``for`` loop over the loader does.
+
+    That call ends the sampler's iteration, which may still draw: when the dataset size is a multiple
+    of the batch size, the last batch is complete before ``RandomSampler.__iter__`` has run to its end,
+    and its final ``torch.randperm(n, generator=...)`` advances the loader's generator. Without it every
+    later epoch is shuffled differently from a plain loop's. Runs only for an epoch that reached its
+    last batch and was not cut short by ``limit_train_batches`` (one call per epoch, outside the step loop).
+    """
+    extra = next(iterator, _END)
+    if extra is not _END:
+        warnings.warn(
+            f"the training DataLoader yielded more batches than its len() ({loader_length(loader)}); ember used "
+            "the first len() of them in this epoch. Make the dataset's __len__ match what it yields.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+_END = object()
+
+
+def loader_length(loader: Any) -> float:
+    """``len(loader)``, or inf for a loader without a length."""
+    try:
+        return len(loader)
+    except TypeError:
+        return math.inf
 
 
 def set_epoch(loader: Any, epoch: int) -> None:
