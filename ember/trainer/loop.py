@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ember.trainer.checkpointing import at_boundary, save_stop_point
 from ember.trainer.data import EpochPlan, limited
+from ember.trainer.data_position import rest_of_epoch
 from ember.trainer.optimization import (
     detached,
     loss_of,
@@ -30,9 +31,13 @@ from ember.trainer.optimization import (
 from ember.trainer.resume import (
     capture_epoch_start,
     islice_from,
+    open_batches,
+    open_positioned,
     open_resumed_epoch,
     restore_loader_generators,
     restore_rng,
+    reuses_workers,
+    warn_if_workers_miss_set_epoch,
 )
 
 if TYPE_CHECKING:
@@ -51,6 +56,7 @@ def run_fit(trainer: Trainer, module: TrainingModule, train_loader: Any, val_loa
         validate_in_fit(trainer, module, val_loaders, sanity_limits)
         hooks.on_sanity_check_end()
         trainer.sanity_checking = False
+    warn_if_workers_miss_set_epoch(train_loader)
     module.train()
     hooks.on_train_start()
     trainer._in_train_loop = True
@@ -73,6 +79,7 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
         progress.validated_after = -1
     hooks.on_train_epoch_start()
     iterator = open_epoch(trainer, loader, start)
+    start = progress.batch_idx  # renumbered when the rest of an epoch is split across another world size
     batches = islice_from(iterator, start, plan.num_batches)
     plain = steps_are_plain(trainer, module)  # decided after the epoch-start hooks, which may change the options
     (run_plain_batches if plain else run_batches)(trainer, module, batches, val_loaders if validates else None)
@@ -174,15 +181,26 @@ def open_epoch(trainer: Trainer, loader: Any, start: int) -> Iterator[Any]:
     """The epoch's batch iterator; on resume, positioned after `start` batches with the step's RNG restored."""
     resumed, trainer._resume_state = trainer._resume_state, None
     set_epoch(loader, trainer.progress.epoch)
+    epoch = trainer.progress.epoch
+    same_world = resumed is None or resumed.get("saved_world_size", 1) == trainer.strategy.world_size
     if start == 0:
         if resumed is not None:  # resuming at an epoch boundary
             restore_rng(resumed["rng"])
             if "loader_generators" in resumed:
-                restore_loader_generators(loader, resumed["loader_generators"])
+                restore_loader_generators(loader, resumed["loader_generators"], strict=same_world)
         trainer.epoch_start_state = capture_epoch_start(loader)
+        if resumed is not None and reuses_workers(loader, epoch):
+            return open_positioned(loader, 0, trainer.epoch_start_state, epoch)
         return iter(loader)
     assert resumed is not None, "a run inside an epoch always comes from a checkpoint"
-    return open_resumed_epoch(loader, start, trainer.epoch_start_state, resumed)
+    if not same_world:  # the rest of the epoch, split across this run's processes
+        rest = rest_of_epoch(trainer, loader, resumed, trainer.epoch_start_state)
+        progress = trainer.progress
+        was_validated = progress.validated_after == start - 1
+        progress.batch_idx = int(trainer.epoch_plan.num_batches) - len(rest)
+        progress.validated_after = progress.batch_idx - 1 if was_validated else -1
+        return open_batches(loader, rest, resumed["rng"])
+    return open_resumed_epoch(loader, start, trainer.epoch_start_state, resumed, epoch)
 
 
 def finish_epoch(iterator: Iterator[Any], loader: Any) -> None:
