@@ -569,12 +569,20 @@ class Validations(ember.Callback):
 
 
 class StopAt(ember.Callback):
-    """Asks the run to stop once `step` optimizer steps are done (it stops at that step boundary)."""
+    """Asks the run to stop once `step` optimizer steps are done (it stops at that step boundary).
+
+    Checked after every batch and at every epoch end: a loader without a length takes the step of its last,
+    partial accumulation window after its last batch.
+    """
 
     def __init__(self, step: int) -> None:
         self.step = step
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
         if trainer.global_step >= self.step:
             trainer.should_stop = True
 
