@@ -188,6 +188,8 @@ def open_epoch(trainer: Trainer, loader: Any, start: int) -> Iterator[Any]:
             restore_rng(resumed["rng"])
             if "loader_generators" in resumed:
                 restore_loader_generators(loader, resumed["loader_generators"], strict=same_world)
+            if "dataset" in resumed and same_world:  # an iterable dataset's own position: an epoch cut by
+                loader.dataset.load_state_dict(resumed["dataset"])  # limit_train_batches leaves it mid-stream
         trainer.epoch_start_state = capture_epoch_start(loader)
         if resumed is not None and reuses_workers(loader, epoch):
             return open_positioned(loader, 0, trainer.epoch_start_state, epoch)

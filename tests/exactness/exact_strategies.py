@@ -30,17 +30,27 @@ def _loader_batches(cfg: Config) -> float:
     return len(train_loader(cfg)) if cfg.has_length else math.inf
 
 
+def weighted(*choices: tuple[Any, int]) -> st.SearchStrategy[Any]:
+    """One of `choices` ``(value, weight)``, drawn `weight` times as often; shrinks towards the first."""
+    return st.sampled_from([value for value, weight in choices for _ in range(weight)])
+
+
 @st.composite
 def data_options(draw: st.DrawFn, *, samplers: tuple[str, ...] = SAMPLERS, workers: tuple[int, ...] = (0, 2)) -> dict:
-    """The data pipeline: dataset size (dividing the batch size or not), sampler, workers, augmentation."""
+    """The data pipeline: dataset size (dividing the batch size or not), sampler, workers, augmentation.
+
+    Weighted towards what most runs use (a shuffled map-style dataset with its own generator, no workers),
+    so a bug in the common case shows in the few examples of the CI profile.
+    """
     batch_size = draw(st.integers(1, 6))
     # n a multiple of the batch size half of the time: the case where the last batch ends before the sampler
     n = draw(st.one_of(st.integers(1, 6).map(lambda k: k * batch_size), st.integers(2, 30)))
-    sampler = draw(st.sampled_from(samplers))
-    generator = draw(st.booleans()) if sampler not in ("sequential", "iterable") else False
+    common = "shuffle" if "shuffle" in samplers else samplers[0]
+    sampler = draw(weighted((common, len(samplers)), *((s, 1) for s in samplers if s != common)))
+    generator = draw(weighted((True, 2), (False, 1))) if sampler not in ("sequential", "iterable") else False
     num_samples = draw(st.one_of(st.none(), st.integers(1, 2 * n))) if sampler in ("replacement", "weighted") else None
-    drop_last = draw(st.booleans()) if sampler != "batch_sampler" and n >= batch_size else False
-    num_workers = draw(st.sampled_from(workers))
+    drop_last = draw(weighted((False, 2), (True, 1))) if sampler != "batch_sampler" and n >= batch_size else False
+    num_workers = draw(weighted(*((w, 2 if w == 0 else 1) for w in workers)))
     persistent = draw(st.booleans()) if num_workers else False
     augment = draw(st.sampled_from(("none", "global", "per_sample")))
     options = dict(
@@ -61,28 +71,29 @@ def data_options(draw: st.DrawFn, *, samplers: tuple[str, ...] = SAMPLERS, worke
 
 @st.composite
 def training_options(draw: st.DrawFn, base: dict, *, manual: bool | None = None, validation: bool = True) -> dict:
-    """Training options over a drawn data pipeline `base`."""
+    """Training options over a drawn data pipeline `base` (whole epochs and no step limit most of the time)."""
     cfg = Config(**base)
     length = _loader_batches(cfg)
-    manual = draw(st.booleans()) if manual is None else manual
+    manual = draw(weighted((False, 3), (True, 1))) if manual is None else manual
     options: dict[str, Any] = dict(
-        epochs=draw(st.integers(1, 3)),
+        epochs=draw(weighted((2, 2), (3, 2), (1, 1))),
         optimizer=draw(st.sampled_from(("sgd", "adam"))),
         dropout=draw(st.sampled_from((0.0, 0.3))),
-        precision=draw(st.sampled_from(("32-true", "bf16-mixed"))),
+        precision=draw(weighted(("32-true", 2), ("bf16-mixed", 1))),
         manual=manual,
     )
     if not manual:  # accumulation and clipping belong to automatic optimization
-        options["accumulate"] = draw(st.integers(1, 3))
+        options["accumulate"] = draw(weighted((1, 2), (2, 1), (3, 1)))
         options["clip"] = draw(st.sampled_from((None, ("norm", 0.5), ("value", 0.05))))
     schedulers: tuple[str | None, ...] = (None, "step", "epoch") if manual else (None, "step", "epoch", "plateau")
     options["scheduler"] = draw(st.sampled_from(schedulers))
-    limits: list[st.SearchStrategy[Any]] = [st.just(1.0)]
-    limits.append(st.integers(1, int(length) + 1 if math.isfinite(length) else 5))  # a count, maybe > len
+    limit: int | float = 1.0
+    limit_kind = draw(weighted(("whole", 3), ("count", 1), ("fraction", 1)))
     fractions = [f for f in (0.25, 0.5, 0.75) if math.isfinite(length) and int(length * f) >= 1]
-    if fractions:
-        limits.append(st.sampled_from(fractions))
-    limit = draw(st.one_of(*limits))
+    if limit_kind == "count":
+        limit = draw(st.integers(1, int(length) + 1 if math.isfinite(length) else 5))  # a count, maybe > len
+    elif limit_kind == "fraction" and fractions:
+        limit = draw(st.sampled_from(fractions))
     options["limit_train_batches"] = limit
     batches = planned_batches(Config(**base, limit_train_batches=limit), train_loader(cfg))
     if validation and draw(st.booleans()):
@@ -91,7 +102,8 @@ def training_options(draw: st.DrawFn, base: dict, *, manual: bool | None = None,
         options["check_val_every_n_epoch"] = draw(st.integers(1, 2))
         options["num_sanity_val_steps"] = draw(st.sampled_from((0, 2)))
     steps_per_epoch = math.ceil(batches / options.get("accumulate", 1)) if math.isfinite(batches) else 8
-    options["max_steps"] = draw(st.one_of(st.just(-1), st.integers(1, max(1, steps_per_epoch * options["epochs"]))))
+    if draw(weighted((False, 3), (True, 1))):
+        options["max_steps"] = draw(st.integers(1, max(1, steps_per_epoch * options["epochs"])))
     return options
 
 

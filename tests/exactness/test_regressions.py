@@ -13,8 +13,9 @@ from exact_checks import check_parity, check_resume
 from exact_workload import Config
 
 PARITY = {
-    # 640 / 32 in the issue; the last batch ends before RandomSampler's final randperm (loop.finish_epoch)
-    "multiple_of_batch_size_shuffled": Config(n=8, batch_size=4, epochs=3),
+    # 640 / 32 in the issue; the last batch ends before RandomSampler's final randperm (loop.finish_epoch).
+    # As printed by the suite with that fix taken out: a shuffled loader with its own generator, 2 epochs.
+    "multiple_of_batch_size_shuffled": Config(n=3, batch_size=1),
 }
 
 RESUME = {
@@ -50,7 +51,21 @@ RESUME = {
     # ... with a batch sampler that has its own generator: undoing that draw looked for the generators while
     # the batch sampler was replaced by its stand-in, found none and refused to resume
     "persistent_workers_batch_sampler_generator": (
-        Config(n=10, batch_size=5, sampler="batch_sampler", num_workers=2, persistent_workers=True, manual=True),
+        Config(
+            n=10,
+            batch_size=5,
+            sampler="batch_sampler",
+            num_workers=2,
+            persistent_workers=True,
+            limit_train_batches=1,  # printed without it: the suite's repr took the count 1 for the default 1.0
+        ),
+        1,
+    ),
+    # an iterable dataset keeps its own position, and an epoch cut by limit_train_batches leaves it inside its
+    # stream; a resume at the next epoch boundary started it from the beginning (printed without the limit,
+    # whose count 1 the suite's repr took for the default fraction 1.0)
+    "iterable_limited_epoch_boundary": (
+        Config(n=2, batch_size=1, sampler="iterable", generator=False, limit_train_batches=1, manual=True),
         1,
     ),
     # (not ember: the suite's stop callback) a loader without a length steps its last, partial window after
