@@ -93,8 +93,12 @@ class Config:
     precision: str = "32-true"
 
     def __repr__(self) -> str:
-        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if getattr(self, f.name) != f.default]
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if not self._is_default(f.name)]
         return f"Config({', '.join(changed)})"
+
+    def _is_default(self, name: str) -> bool:
+        value, default = getattr(self, name), Config.__dataclass_fields__[name].default
+        return bool(value == default and type(value) is type(default))  # a count of 1 is not the fraction 1.0
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # how hypothesis prints a falsifying example
         printer.text(repr(self))
