@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
+
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -70,3 +73,17 @@ def test_a_whole_evaluation_epoch_iterates_the_loader_to_its_end_like_a_for_loop
     assert torch.equal(raw.generator.get_state(), ours.generator.get_state())
     cut = loader()
     assert len(list(limited(cut, 1))) == 1
+
+
+def test_a_warning_says_set_epoch_does_not_reach_persistent_workers() -> None:
+    def fit(persistent: bool) -> None:
+        quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        trainer = ember.Trainer(max_epochs=1, **quiet)
+        loader = DataLoader(EpochAware(), batch_size=4, num_workers=2, persistent_workers=persistent)
+        trainer.fit(Net(), loader)
+
+    with pytest.warns(RuntimeWarning, match="persistent_workers=True: each worker keeps the copy"):
+        fit(persistent=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        fit(persistent=False)
