@@ -22,13 +22,14 @@ or an epoch cut short by ``limit_train_batches``.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from ember.checkpoint import CheckpointError
-from ember.trainer.resume import restore_epoch_start
+from ember.trainer.resume import open_batches, restore_epoch_start
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -105,7 +106,23 @@ def split_rest(rest: list[int], world_size: int, rank: int, batch_size: int, dro
     return [mine[i * batch_size : (i + 1) * batch_size] for i in range(count)]
 
 
-def rest_of_epoch(trainer: Trainer, loader: Any, saved: dict[str, Any], epoch_start: dict[str, Any] | None) -> list:
+def open_rest_of_epoch(trainer: Trainer, loader: Any, saved: dict[str, Any], start: int) -> Iterator[Any]:
+    """The iterator over this process's part of the rest of the interrupted epoch (`rest_of_epoch`).
+
+    The epoch's batch index continues so that the epoch ends at its usual last index; a validation that
+    ran right at the checkpoint still counts as done.
+    """
+    rest = rest_of_epoch(trainer, loader, saved, trainer.epoch_start_state)
+    progress = trainer.progress
+    was_validated = progress.validated_after == start - 1
+    progress.batch_idx = int(trainer.epoch_plan.num_batches) - len(rest)
+    progress.validated_after = progress.batch_idx - 1 if was_validated else -1
+    return open_batches(loader, rest, saved["rng"])
+
+
+def rest_of_epoch(
+    trainer: Trainer, loader: Any, saved: dict[str, Any], epoch_start: dict[str, Any] | None
+) -> list[list[int]]:
     """This process's batches for the rest of the interrupted epoch, on this run's number of processes.
 
     `saved` is the checkpoint's per-process state (its ``position``); raises `CheckpointError` when the

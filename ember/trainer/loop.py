@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ember.trainer.checkpointing import at_boundary, save_stop_point
 from ember.trainer.data import EpochPlan, limited
-from ember.trainer.data_position import rest_of_epoch
+from ember.trainer.data_position import open_rest_of_epoch
 from ember.trainer.optimization import (
     detached,
     loss_of,
@@ -31,7 +31,6 @@ from ember.trainer.optimization import (
 from ember.trainer.resume import (
     capture_epoch_start,
     islice_from,
-    open_batches,
     open_positioned,
     open_resumed_epoch,
     restore_loader_generators,
@@ -196,12 +195,7 @@ def open_epoch(trainer: Trainer, loader: Any, start: int) -> Iterator[Any]:
         return iter(loader)
     assert resumed is not None, "a run inside an epoch always comes from a checkpoint"
     if not same_world:  # the rest of the epoch, split across this run's processes
-        rest = rest_of_epoch(trainer, loader, resumed, trainer.epoch_start_state)
-        progress = trainer.progress
-        was_validated = progress.validated_after == start - 1
-        progress.batch_idx = int(trainer.epoch_plan.num_batches) - len(rest)
-        progress.validated_after = progress.batch_idx - 1 if was_validated else -1
-        return open_batches(loader, rest, resumed["rng"])
+        return open_rest_of_epoch(trainer, loader, resumed, start)
     return open_resumed_epoch(loader, start, trainer.epoch_start_state, resumed, epoch)
 
 
