@@ -179,16 +179,16 @@ def window_ended(trainer: Trainer, module: TrainingModule, batch_idx: int) -> bo
 def open_epoch(trainer: Trainer, loader: Any, start: int) -> Iterator[Any]:
     """The epoch's batch iterator; on resume, positioned after `start` batches with the step's RNG restored."""
     resumed, trainer._resume_state = trainer._resume_state, None
-    set_epoch(loader, trainer.progress.epoch)
     epoch = trainer.progress.epoch
     same_world = resumed is None or resumed.get("saved_world_size", 1) == trainer.strategy.world_size
+    if start == 0 and resumed is not None:  # at an epoch boundary: the state the last epoch left, then set_epoch
+        restore_rng(resumed["rng"])
+        if "loader_generators" in resumed:
+            restore_loader_generators(loader, resumed["loader_generators"], strict=same_world)
+        if "dataset" in resumed and same_world:  # an iterable dataset's own position (an epoch cut by
+            loader.dataset.load_state_dict(resumed["dataset"])  # limit_train_batches leaves it mid-stream)
+    set_epoch(loader, epoch)
     if start == 0:
-        if resumed is not None:  # resuming at an epoch boundary
-            restore_rng(resumed["rng"])
-            if "loader_generators" in resumed:
-                restore_loader_generators(loader, resumed["loader_generators"], strict=same_world)
-            if "dataset" in resumed and same_world:  # an iterable dataset's own position: an epoch cut by
-                loader.dataset.load_state_dict(resumed["dataset"])  # limit_train_batches leaves it mid-stream
         trainer.epoch_start_state = capture_epoch_start(loader)
         if resumed is not None and reuses_workers(loader, epoch):
             return open_positioned(loader, 0, trainer.epoch_start_state, epoch)
