@@ -16,7 +16,11 @@ Documented semantics pinned here:
 - ``gradient_clip_val``: ``clip_grad_norm_`` / ``clip_grad_value_`` on the
   optimizer's parameters after ``on_before_optimizer_step`` and before the step;
 - validation (sanity check included) neither consumes the global RNG nor
-  changes the training order.
+  changes the training order;
+- an epoch that is not cut short by a limit is a ``for`` loop over the loader:
+  after the last batch the loader is asked once more (the sampler's final draw).
+
+tests/exactness/ checks the same contract over generated configurations.
 """
 
 from __future__ import annotations
