@@ -160,7 +160,7 @@ class ParallelStrategy(Strategy):
             sampler = DistributedSampler(dataset, self.world_size, self.global_rank, shuffle=shuffle, seed=seed)
         else:
             sampler = EvalDistributedSampler(len(dataset), self.world_size, self.global_rank)  # type: ignore[arg-type]
-        return DataLoader(
+        distributed = DataLoader(
             dataset,
             batch_size=loader.batch_size,
             sampler=sampler,
@@ -175,6 +175,10 @@ class ParallelStrategy(Strategy):
             prefetch_factor=loader.prefetch_factor,
             persistent_workers=loader.persistent_workers,
         )
+        # The sampler it replaces: a checkpoint written by one process replays its order to continue an
+        # interrupted epoch on several (ember.trainer.data_position).
+        distributed.ember_source_sampler = loader.sampler
+        return distributed
 
     # --- collectives --------------------------------------------------------
     def reduce(self, tensor: Tensor, reduce_fx: str = "mean") -> Tensor:

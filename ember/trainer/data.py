@@ -49,10 +49,21 @@ def num_batches(loader: Iterable[Any], limit: float | int, name: str = "limit_*_
 
 
 def limited(loader: Iterable[Any], count: float) -> Iterator[Any]:
-    """Iterate `loader` once, stopping after `count` batches (the iterator is made exactly once)."""
-    if math.isinf(count):
+    """Iterate `loader` once, stopping after `count` batches (the iterator is made exactly once).
+
+    When `count` is the loader's whole length the loader is iterated to its end, as a ``for`` loop
+    does: the sampler's last draw (e.g. ``RandomSampler``'s final ``randperm``) then happens.
+    """
+    if math.isinf(count) or count == _length(loader):
         return iter(loader)
     return itertools.islice(loader, int(count))
+
+
+def _length(loader: Iterable[Any]) -> float:
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return math.inf
 
 
 def as_list(loaders: Any) -> list[Any]:

@@ -10,6 +10,7 @@ import math
 import random
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from ember.trainer.checkpointing import at_boundary, save_stop_point
 from ember.trainer.data import EpochPlan, limited
+from ember.trainer.data_position import open_rest_of_epoch
 from ember.trainer.optimization import (
     detached,
     loss_of,
@@ -29,9 +31,12 @@ from ember.trainer.optimization import (
 from ember.trainer.resume import (
     capture_epoch_start,
     islice_from,
+    open_positioned,
     open_resumed_epoch,
     restore_loader_generators,
     restore_rng,
+    reuses_workers,
+    warn_if_workers_miss_set_epoch,
 )
 
 if TYPE_CHECKING:
@@ -52,6 +57,7 @@ def run_fit(trainer: Trainer, module: TrainingModule, train_loader: Any, val_loa
             hooks.on_sanity_check_end()
         finally:
             trainer.sanity_checking = False
+    warn_if_workers_miss_set_epoch(train_loader)
     module.train()
     hooks.on_train_start()
     trainer._in_train_loop = True
@@ -73,11 +79,15 @@ def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_l
         collector.start_epoch("train")
         progress.validated_after = -1
     hooks.on_train_epoch_start()
-    batches = islice_from(open_epoch(trainer, loader, start), start, plan.num_batches)
+    iterator = open_epoch(trainer, loader, start)
+    start = progress.batch_idx  # renumbered when the rest of an epoch is split across another world size
+    batches = islice_from(iterator, start, plan.num_batches)
     if trainer.profiler is not None:  # once per epoch: the batches' fetch times (ember/tuning/profiler.py)
         batches = trainer.profiler.time_batches(batches)
     plain = steps_are_plain(trainer, module)  # decided after the epoch-start hooks, which may change the options
     (run_plain_batches if plain else run_batches)(trainer, module, batches, val_loaders if validates else None)
+    if progress.batch_idx == plan.num_batches == loader_length(loader):  # the whole epoch, not cut by a limit
+        finish_epoch(iterator, loader)
     if trainer._window_has_grads:  # a loader without a length ended inside an accumulation window
         optimizer_step(trainer, trainer.optimizers[0])
     last = progress.batch_idx - 1
@@ -173,16 +183,54 @@ def window_ended(trainer: Trainer, module: TrainingModule, batch_idx: int) -> bo
 def open_epoch(trainer: Trainer, loader: Any, start: int) -> Iterator[Any]:
     """The epoch's batch iterator; on resume, positioned after `start` batches with the step's RNG restored."""
     resumed, trainer._resume_state = trainer._resume_state, None
-    set_epoch(loader, trainer.progress.epoch)
+    epoch = trainer.progress.epoch
+    same_world = resumed is None or resumed.get("saved_world_size", 1) == trainer.strategy.world_size
+    if start == 0 and resumed is not None:  # at an epoch boundary: the state the last epoch left, then set_epoch
+        restore_rng(resumed["rng"])
+        if "loader_generators" in resumed:
+            restore_loader_generators(loader, resumed["loader_generators"], strict=same_world)
+        if "dataset" in resumed and same_world:  # an iterable dataset's own position (an epoch cut by
+            loader.dataset.load_state_dict(resumed["dataset"])  # limit_train_batches leaves it mid-stream)
+    set_epoch(loader, epoch)
     if start == 0:
-        if resumed is not None:  # resuming at an epoch boundary
-            restore_rng(resumed["rng"])
-            if "loader_generators" in resumed:
-                restore_loader_generators(loader, resumed["loader_generators"])
         trainer.epoch_start_state = capture_epoch_start(loader)
+        if resumed is not None and reuses_workers(loader, epoch):
+            return open_positioned(loader, 0, trainer.epoch_start_state, epoch)
         return iter(loader)
     assert resumed is not None, "a run inside an epoch always comes from a checkpoint"
-    return open_resumed_epoch(loader, start, trainer.epoch_start_state, resumed)
+    if not same_world:  # the rest of the epoch, split across this run's processes
+        return open_rest_of_epoch(trainer, loader, resumed, start)
+    return open_resumed_epoch(loader, start, trainer.epoch_start_state, resumed, epoch)
+
+
+def finish_epoch(iterator: Iterator[Any], loader: Any) -> None:
+    """Ask the epoch's iterator once more after its last batch, as a ``for`` loop over the loader does.
+
+    That call ends the sampler's iteration, which may still draw: when the dataset size is a multiple
+    of the batch size, the last batch is complete before ``RandomSampler.__iter__`` has run to its end,
+    and its final ``torch.randperm(n, generator=...)`` advances the loader's generator. Without it every
+    later epoch is shuffled differently from a plain loop's. Runs only for an epoch that reached its
+    last batch and was not cut short by ``limit_train_batches`` (one call per epoch, outside the step loop).
+    """
+    extra = next(iterator, _END)
+    if extra is not _END:
+        warnings.warn(
+            f"the training DataLoader yielded more batches than its len() ({loader_length(loader)}); ember used "
+            "the first len() of them in this epoch. Make the dataset's __len__ match what it yields.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+_END = object()
+
+
+def loader_length(loader: Any) -> float:
+    """``len(loader)``, or inf for a loader without a length."""
+    try:
+        return len(loader)
+    except TypeError:
+        return math.inf
 
 
 def set_epoch(loader: Any, epoch: int) -> None:
