@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -204,3 +205,80 @@ def test_weights_of_another_tokenizer_are_refused(trained: tuple[Path, hf_lm.GPT
     other.tokenizer_sha256.zero_()
     with pytest.raises(RuntimeError, match="trained with another tokenizer"):
         other.check_tokenizer()
+
+
+# --- examples/hf_classify.py: fine-tuning from the exported directory -------------------------------------------
+
+CLASSIFY = REPO / "configs" / "hf_classify.yaml"
+
+
+def classify_from_config(model_dir: Path, root: Path, *extra: str) -> tuple[ember.Trainer, Any, Any]:
+    overrides = [
+        f"module.model_dir={model_dir}",
+        "data.train_per_class=8",
+        "data.val_per_class=16",
+        "data.max_tokens=16",
+        "data.batch_size=16",
+        "trainer.max_epochs=1",
+        "trainer.num_sanity_val_steps=0",
+        "trainer.logger=false",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
+        f"trainer.default_root_dir={root}",
+        *extra,
+    ]
+    files = [CLASSIFY, REPO / "configs" / "hf_classify_scratch.yaml"] if "scratch" in extra else [CLASSIFY]
+    loaded = config.load(files, [o for o in overrides if o != "scratch"])
+    resolved = config.resolve(loaded)
+    config.check(loaded, resolved, "fit")
+    return build(resolved)
+
+
+def test_fine_tuning_starts_from_the_exported_weights_and_logs_macro_f1(
+    trained: tuple[Path, hf_lm.GPT2LM, Path], tmp_path: Path
+) -> None:
+    from sklearn.metrics import f1_score
+
+    _, lm, _ = trained
+    lm.to_hf(tmp_path / "pretrained")
+    trainer, module, data = classify_from_config(tmp_path / "pretrained", tmp_path / "runs")
+    _, scratch, _ = classify_from_config(tmp_path / "pretrained", tmp_path / "runs", "scratch")
+    key = "transformer.h.0.attn.c_attn.weight"
+    assert torch.equal(module.model.state_dict()[key], lm.model.state_dict()[key])  # from_pretrained
+    assert not torch.equal(scratch.model.state_dict()[key], lm.model.state_dict()[key])  # random weights
+    assert scratch.model.config.n_embd == module.model.config.n_embd == 32  # ... of the same network
+
+    trainer.fit(module, datamodule=data)
+    assert trainer.global_step == 4  # 8 modules x 8 lines in batches of 16
+    input_ids, attention_mask, labels = data.val_set.tensors
+    with torch.no_grad():
+        predicted = module.eval()(input_ids, attention_mask).argmax(-1)
+    expected = f1_score(labels.numpy(), predicted.numpy(), average="macro", labels=list(range(8)), zero_division=0)
+    assert trainer.callback_metrics["val/f1"] == pytest.approx(expected, abs=1e-6)
+    assert trainer.callback_metrics["val/acc"] == pytest.approx(float((predicted == labels).float().mean()), abs=1e-6)
+
+
+def test_lines_are_labelled_by_one_module_and_split_the_same_way_every_time() -> None:
+    from examples import hf_classify
+
+    per_module = hf_classify.labelled_lines(hf_classify.DEFAULT_MODULES)
+    seen: dict[str, int] = {}
+    for label, lines in enumerate(per_module):
+        assert len(lines) >= 192 and len(set(lines)) == len(lines)
+        for line in lines:
+            assert len(line) >= 12 and line == line.strip()
+            assert seen.setdefault(line, label) == label  # no line in two modules
+    train, val = hf_classify.split_lines(per_module, 64, 128, seed=0)
+    assert hf_classify.split_lines(per_module, 64, 128, seed=0) == (train, val)
+    assert Counter(label for _, label in train) == {label: 64 for label in range(8)}
+    assert Counter(label for _, label in val) == {label: 128 for label in range(8)}
+    assert not {line for line, _ in train} & {line for line, _ in val}
+
+
+def test_classifier_mistakes_say_what_to_do(tmp_path: Path) -> None:
+    from examples import hf_classify
+
+    with pytest.raises(FileNotFoundError, match=r"ember export --ckpt last -c configs/hf_lm.yaml --format hf"):
+        hf_classify.LineClassifier(model_dir=str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="no standard-library module"):
+        hf_classify.labelled_lines(["no_such_module_here"])
