@@ -1,11 +1,11 @@
 """Semantic segmentation with a small U-Net on generated images, with pictures of the results.
 
-Each image is 64x64 grey levels: a background with a random brightness gradient and one to four
-shapes (circle, rectangle, triangle) of random size and position, each brighter or darker than the
-background by 0.2 to 0.45, later shapes covering earlier ones; the target gives every pixel its class
-(0 background, 1 circle, 2 rectangle, 3 triangle). Grey levels do not tell the classes apart, so a
-pixel's class comes from the shape it belongs to. Image ``i`` of a split is drawn from a generator seeded with
-``(seed, split, i)``: the data is the same on every machine, and nothing is downloaded.
+Each image is `size` x `size` grey levels (48 in configs/segmentation.yaml): a background with a random
+brightness gradient and one to four shapes (circle, rectangle, triangle) of random size and position, each
+brighter or darker than the background by 0.2 to 0.45, later shapes covering earlier ones; the target gives
+every pixel its class (0 background, 1 circle, 2 rectangle, 3 triangle). Grey levels do not tell the classes
+apart, so a pixel's class comes from the shape it belongs to. Image ``i`` of a split is drawn from a
+generator seeded with ``(seed, split, i)``: the data is the same on every machine, and nothing is downloaded.
 
 Training images get a random augmentation each time they are drawn: a flip, a rotation by a multiple
 of 90 degrees and fresh Gaussian noise (validation images carry fixed noise). The draws come from

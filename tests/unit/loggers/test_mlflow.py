@@ -334,3 +334,9 @@ def test_a_fit_logs_to_a_live_mlflow_server_over_http(tmp_path: Path) -> None:
     assert list((tmp_path / "server-artifacts").rglob("best_checkpoint.json"))
     offline = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'server.db'}")
     assert history(offline, logger.run_id, "val/loss") == served
+
+
+def test_importing_the_loggers_leaves_mlflow_alone() -> None:
+    code = "import sys, ember.loggers; print('mlflow' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
