@@ -164,14 +164,17 @@ class LineClassifier(ember.TrainingModule):
             config = AutoConfig.from_pretrained(model_dir, num_labels=num_classes, local_files_only=True)
             self.model: Any = GPT2ForSequenceClassification(config)
         else:
-            verbosity = logging.get_verbosity()
+            verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
             logging.set_verbosity_error()  # not the notice that the new head is untrained: that is the point
+            logging.disable_progress_bar()
             try:
                 self.model = GPT2ForSequenceClassification.from_pretrained(
                     model_dir, num_labels=num_classes, local_files_only=True
                 )
             finally:
                 logging.set_verbosity(verbosity)
+                if bars:
+                    logging.enable_progress_bar()
         self.val_f1 = F1Score(task="multiclass", num_classes=num_classes, average="macro")
         self.val_acc = Accuracy(task="multiclass", num_classes=num_classes)
 
@@ -204,7 +207,8 @@ class LineClassifier(ember.TrainingModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        opt = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        trainable = [p for p in self.parameters() if p.requires_grad]  # BackboneFinetuning may freeze the body
+        opt = torch.optim.AdamW(trainable, lr=hp.lr, weight_decay=hp.weight_decay)
         warmup, total = hp.warmup_steps, max(hp.total_steps, 1)
 
         def factor(step: int) -> float:
@@ -220,10 +224,12 @@ class LineClassifier(ember.TrainingModule):
 # --- pretrained vs from scratch, over seeds ----------------------------------------------------------------
 
 
-def run(seed: int, from_scratch: bool, model_dir: str, epochs: int, lr: float, root: str) -> tuple[float, float]:
-    """(final val/f1, fit seconds) of one quiet run with the configs' defaults."""
+def run(
+    seed: int, from_scratch: bool, model_dir: str, epochs: int, lr: float, train_per_class: int, root: str
+) -> tuple[float, float]:
+    """(final val/f1, fit seconds) of one quiet run with the configs' other defaults."""
     ember.seed_everything(seed)
-    data = StdlibLines(model_dir=model_dir)
+    data = StdlibLines(model_dir=model_dir, train_per_class=train_per_class)
     steps = epochs * math.ceil(len(data.modules) * data.train_per_class / data.batch_size)
     module = LineClassifier(model_dir=model_dir, from_scratch=from_scratch, lr=lr, total_steps=steps)
     trainer = ember.Trainer(
@@ -246,18 +252,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model-dir", default="exports/hf_lm")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of both runs")
+    parser.add_argument("--train-per-class", type=int, default=64, help="training lines per module")
     parser.add_argument("--scratch-lrs", type=float, nargs="*", default=[], help="also try these for scratch")
     args = parser.parse_args(argv)
     scratch_lrs = [args.lr, *args.scratch_lrs]
-    print(
-        "| seed | pretrained val/f1 | from scratch val/f1" + "".join(f" (lr {lr:g})" for lr in scratch_lrs[1:]) + " |"
-    )
-    print("|---|---|---" + "|---" * (len(scratch_lrs) - 1) + "|")
+    columns = [f"pretrained, lr {args.lr:g}", *(f"from scratch, lr {lr:g}" for lr in scratch_lrs)]
+    print("| seed (val/f1) | " + " | ".join(columns) + " |")
+    print("|---" * (1 + len(columns)) + "|")
     totals: list[list[float]] = [[] for _ in range(1 + len(scratch_lrs))]
     seconds = 0.0
     for seed in args.seeds:
-        row = [run(seed, False, args.model_dir, args.epochs, args.lr, "runs/hf_classify_seeds")]
-        row += [run(seed, True, args.model_dir, args.epochs, lr, "runs/hf_classify_seeds") for lr in scratch_lrs]
+        common = (args.model_dir, args.epochs)
+        row = [run(seed, False, *common, args.lr, args.train_per_class, "runs/hf_classify_seeds")]
+        row += [run(seed, True, *common, lr, args.train_per_class, "runs/hf_classify_seeds") for lr in scratch_lrs]
         seconds += sum(s for _, s in row)
         for column, (f1, _) in zip(totals, row, strict=True):
             column.append(f1)

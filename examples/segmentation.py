@@ -1,7 +1,7 @@
 """Semantic segmentation with a small U-Net on generated images, with pictures of the results.
 
 Each image is `size` x `size` grey levels (48 in configs/segmentation.yaml): a background with a random
-brightness gradient and one to four shapes (circle, rectangle, triangle) of random size and position, each
+brightness gradient and one to three shapes (circle, rectangle, triangle) of random size and position, each
 brighter or darker than the background by 0.2 to 0.45, later shapes covering earlier ones; the target gives
 every pixel its class (0 background, 1 circle, 2 rectangle, 3 triangle). Grey levels do not tell the classes
 apart, so a pixel's class comes from the shape it belongs to. Image ``i`` of a split is drawn from a
@@ -59,9 +59,9 @@ def draw_scene(size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
     base = uniform(0.3, 0.6)
     image = (base + uniform(0.0, 0.2) * ramp).clamp(0, 1)
     target = torch.zeros(size, size, dtype=torch.long)
-    for _ in range(int(torch.randint(1, 5, (), generator=generator))):
+    for _ in range(int(torch.randint(1, 4, (), generator=generator))):
         kind = int(torch.randint(1, 4, (), generator=generator))
-        radius = uniform(0.08, 0.2) * size
+        radius = uniform(0.12, 0.25) * size
         cy, cx = uniform(radius, size - radius), uniform(radius, size - radius)
         if kind == 1:
             inside = (ys - cy) ** 2 + (xs - cx) ** 2 <= radius**2

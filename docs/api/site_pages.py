@@ -31,8 +31,21 @@ _SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*:", re.IGNORECASE)
 
 
 def existing_packages() -> list[str]:
-    """The packages of `API_PACKAGES` this checkout has."""
-    return [name for name in API_PACKAGES if importlib.util.find_spec(name) is not None]
+    """The packages of `API_PACKAGES` this checkout has: a subpackage counts only in the folder its top-level
+    package is imported from (an editable install elsewhere can make ``find_spec`` see another checkout's)."""
+    found = []
+    for name in API_PACKAGES:
+        top, *rest = name.split(".")
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            continue
+        if spec is None or spec.origin is None:
+            continue
+        folder = Path(spec.origin).parent.joinpath(*rest)
+        if (folder / "__init__.py").is_file():
+            found.append(name)
+    return found
 
 
 def public_names(package: str) -> list[str]:
