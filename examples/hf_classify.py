@@ -225,13 +225,22 @@ class LineClassifier(ember.TrainingModule):
 
 
 def run(
-    seed: int, from_scratch: bool, model_dir: str, epochs: int, lr: float, train_per_class: int, root: str
+    seed: int,
+    from_scratch: bool,
+    model_dir: str,
+    epochs: int,
+    lr: float,
+    train_per_class: int,
+    modules: Sequence[str],
+    root: str,
 ) -> tuple[float, float]:
     """(final val/f1, fit seconds) of one quiet run with the configs' other defaults."""
     ember.seed_everything(seed)
-    data = StdlibLines(model_dir=model_dir, train_per_class=train_per_class)
+    data = StdlibLines(model_dir=model_dir, modules=modules, train_per_class=train_per_class)
     steps = epochs * math.ceil(len(data.modules) * data.train_per_class / data.batch_size)
-    module = LineClassifier(model_dir=model_dir, from_scratch=from_scratch, lr=lr, total_steps=steps)
+    module = LineClassifier(
+        model_dir=model_dir, num_classes=len(modules), from_scratch=from_scratch, lr=lr, total_steps=steps
+    )
     trainer = ember.Trainer(
         max_epochs=epochs,
         logger=False,
@@ -253,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of both runs")
     parser.add_argument("--train-per-class", type=int, default=64, help="training lines per module")
+    parser.add_argument("--modules", nargs="+", default=list(DEFAULT_MODULES), help="standard-library modules")
     parser.add_argument("--scratch-lrs", type=float, nargs="*", default=[], help="also try these for scratch")
     args = parser.parse_args(argv)
     scratch_lrs = [args.lr, *args.scratch_lrs]
@@ -262,9 +272,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     totals: list[list[float]] = [[] for _ in range(1 + len(scratch_lrs))]
     seconds = 0.0
     for seed in args.seeds:
-        common = (args.model_dir, args.epochs)
-        row = [run(seed, False, *common, args.lr, args.train_per_class, "runs/hf_classify_seeds")]
-        row += [run(seed, True, *common, lr, args.train_per_class, "runs/hf_classify_seeds") for lr in scratch_lrs]
+        settings = [(False, args.lr), *((True, lr) for lr in scratch_lrs)]
+        row = [
+            run(seed, scratch, args.model_dir, args.epochs, lr, args.train_per_class, args.modules, "runs/seeds")
+            for scratch, lr in settings
+        ]
         seconds += sum(s for _, s in row)
         for column, (f1, _) in zip(totals, row, strict=True):
             column.append(f1)

@@ -282,3 +282,22 @@ def test_classifier_mistakes_say_what_to_do(tmp_path: Path) -> None:
         hf_classify.LineClassifier(model_dir=str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="no standard-library module"):
         hf_classify.labelled_lines(["no_such_module_here"])
+
+
+def test_the_seed_sweep_prints_both_runs_per_seed_and_their_means(
+    trained: tuple[Path, hf_lm.GPT2LM, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from examples import hf_classify
+
+    _, lm, _ = trained
+    lm.to_hf(tmp_path / "pretrained")
+    args = ["--seeds", "0", "1", "--model-dir", str(tmp_path / "pretrained"), "--epochs", "1"]
+    hf_classify.main([*args, "--train-per-class", "4", "--modules", "tarfile", "typing"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| seed (val/f1) | pretrained, lr 0.001 | from scratch, lr 0.001 |"
+    rows = {line.split("|")[1].strip(): [float(v) for v in line.split("|")[2:-1]] for line in lines[2:5]}
+    assert set(rows) == {"0", "1", "mean"}
+    for column in range(2):
+        assert 0.0 <= rows["0"][column] <= 1.0
+        assert rows["mean"][column] == pytest.approx((rows["0"][column] + rows["1"][column]) / 2, abs=1e-4)
+    assert lines[5].startswith("4 fits in ")
