@@ -173,7 +173,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         batch, seq, _ = x.shape
         shape = (batch, seq, -1, self.head_dim)  # -1: all heads, or this process's under tensor parallelism
-        q, k, v = (layer(x).reshape(shape).transpose(1, 2) for layer in (self.q, self.k, self.v))
+        q = self.q(x).reshape(shape).transpose(1, 2)  # (batch, heads, seq, head_dim)
+        k = self.k(x).reshape(shape).transpose(1, 2)
+        v = self.v(x).reshape(shape).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
