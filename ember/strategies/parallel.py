@@ -247,11 +247,11 @@ class ParallelStrategy(Strategy):
         make up the interval at its step time, and all take the smallest, so
         every process reads the result, and stops, at the same boundary.
         """
-        if not dist.is_initialized() or self.world_size == 1:
-            return local
-        self._boundaries_to_exchange -= 1
+        self._boundaries_to_exchange -= 1  # first: most boundaries end here, without a call into torch
         if self._boundaries_to_exchange > 0:
             return False
+        if not dist.is_initialized() or self.world_size == 1:
+            return local
         now = time.perf_counter()
         stop, interval = False, 1
         if self._flag_work is not None:
