@@ -120,7 +120,7 @@ class ModelParallelStrategy(ParallelStrategy):
     - ``loss_parallel``: run the training step and its backward inside torch's ``loss_parallel()``, so a
       cross-entropy over logits sharded on the class dimension (an output projection planned with
       ``ColwiseParallel(use_local_output=False)``) never gathers the logits. The step's loss is then a
-      DTensor: log ``loss.full_tensor()``.
+      DTensor, which ``self.log`` takes as it is.
     - Every process of a TP group gets the same batches: distributed samplers split the data over the
       ``dp`` dimension only (`distributed_sampler_kwargs`), and ``sync_dist`` reductions run over ``dp``.
 
@@ -224,17 +224,11 @@ class ModelParallelStrategy(ParallelStrategy):
 
     def _scope_metrics(self, module: nn.Module) -> None:
         """torchmetrics synchronise over the data-parallel processes only (TP peers hold the same values)."""
-        try:
-            from torchmetrics import Metric
-        except ImportError:  # pragma: no cover  (torchmetrics is a dependency)
-            return
+        from torchmetrics import Metric
+
         group = self.device_mesh["dp"].get_group()
-        found = [m for m in module.modules() if isinstance(m, Metric)]
-        extra = getattr(module, "metrics", None)
-        if isinstance(extra, dict):
-            found += [m for m in extra.values() if isinstance(m, Metric)]
-        for metric in found:
-            if metric.process_group is None:
+        for metric in module.modules():
+            if isinstance(metric, Metric) and metric.process_group is None:
                 metric.process_group = group
 
     def compile_module(self, module: nn.Module, options: dict[str, Any]) -> None:

@@ -299,7 +299,7 @@ def compiled(out: Path) -> dict[str, Any]:
 def mp_job(out: Path) -> None:
     """2 processes: TP(2) against one process (plain, clipped, compiled); at (1, 2) a run with dropout stopped
     at step 10 and resumed at (1, 2); one without dropout stopped at step 10 (the checkpoint the other meshes
-    resume) and resumed at (1, 2) and (2, 1); the char transformer's plan (with and without loss parallel, and
+    resume) and resumed at (1, 2) and (2, 1); at (2, 1) a run with dropout stopped and resumed; the char transformer's plan (with and without loss parallel, and
     under FSDP, which skips the plan); a hook that applies no plan."""
     tp = lambda: model_parallel("auto", 2)  # noqa: E731
     W.section(out, "tp_seq", lambda: summary(*fit_sequential(tp(), out / "tp-seq", dp=1)))
@@ -310,6 +310,7 @@ def mp_job(out: Path) -> None:
     W.section(out, "tp_source", lambda: resume_runs(out, "tp", tp, 1, None))
     source = W._last_checkpoint(out / "tp-stopped" / "shuffled")
     W.section(out, "tp_to_dp", lambda: resume_runs(out, "dp", lambda: model_parallel(2, 1), 2, source))
+    W.section(out, "dp_resume", lambda: resume_runs(out, "dp-dropout", lambda: model_parallel(2, 1), 2, None, 0.2))
     W.section(out, "char_tp", lambda: char_fit(tp(), out / "char-tp"))
     W.section(out, "char_loss_parallel", lambda: char_fit(model_parallel(1, 2, loss_parallel=True), out / "char-lp"))
     W.section(out, "char_fsdp", lambda: char_fit(W.fsdp(), out / "char-fsdp", batch_size=4))

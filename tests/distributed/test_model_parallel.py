@@ -260,8 +260,9 @@ def test_an_hsdp_checkpoint_resumes_in_one_process(mesh_job, tmp_path, own_rando
 # --- resumes: the same mesh (bitwise) and other meshes (within 1e-6) -------------------------------------
 
 
-def test_a_tp_checkpoint_resumes_bitwise_at_the_same_mesh(mp_job) -> None:
-    for name in ("tp_resume", "tp_source"):  # with dropout 0.2, and without
+def test_a_checkpoint_resumes_bitwise_at_the_same_mesh(mp_job) -> None:
+    # (1, 2) with dropout 0.2 and without; (2, 1) with dropout: every data-parallel rank continues exactly.
+    for name in ("tp_resume", "tp_source", "dp_resume"):
         for rank, result in enumerate(mp_job.results(name)):
             full, stopped, resumed = result["full"], result["stopped"], result["resumed"]
             assert (stopped["steps"], resumed["steps"], full["steps"]) == (10, 36, 36)
