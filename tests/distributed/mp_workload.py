@@ -176,7 +176,11 @@ def summary(trainer: ember.Trainer, module: W.Net) -> dict[str, Any]:
 
 
 class Loaded(ember.Callback):
-    """Full weights and optimizer state when training is about to start (after a checkpoint was loaded)."""
+    """Full weights and optimizer state when training is about to start (after a checkpoint was loaded).
+
+    Only for runs that resume: on an optimizer without state, DCP's ``get_optimizer_state_dict`` creates it
+    by stepping the optimizer once (zero gradients, zero learning rate), which changes the run (AdamW's step
+    count)."""
 
     def on_fit_start(self, trainer: Any, module: Any) -> None:
         self.weights = W.full_state(module)
@@ -299,8 +303,9 @@ def compiled(out: Path) -> dict[str, Any]:
 def mp_job(out: Path) -> None:
     """2 processes: TP(2) against one process (plain, clipped, compiled); at (1, 2) a run with dropout stopped
     at step 10 and resumed at (1, 2); one without dropout stopped at step 10 (the checkpoint the other meshes
-    resume) and resumed at (1, 2) and (2, 1); at (2, 1) a run with dropout stopped and resumed; the char transformer's plan (with and without loss parallel, and
-    under FSDP, which skips the plan); a hook that applies no plan."""
+    resume) and resumed at (1, 2) and (2, 1); at (2, 1) a run with dropout stopped and resumed; the char
+    transformer's plan (with and without loss parallel, and under FSDP, which skips the plan); a hook that
+    applies no plan."""
     tp = lambda: model_parallel("auto", 2)  # noqa: E731
     W.section(out, "tp_seq", lambda: summary(*fit_sequential(tp(), out / "tp-seq", dp=1)))
     W.section(out, "tp_clip", lambda: summary(*fit_sequential(tp(), out / "tp-clip", dp=1, gradient_clip_val=0.1)))
