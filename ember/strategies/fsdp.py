@@ -42,6 +42,22 @@ def transformer_block_classes(module: nn.Module) -> tuple[type[nn.Module], ...]:
     return tuple(cls for cls, n in counts.items() if n >= 2)
 
 
+def outermost_blocks(module: nn.Module, classes: tuple[type[nn.Module], ...]) -> list[nn.Module]:
+    """The submodules of `module` that are instances of `classes`, except those inside another such one.
+
+    A transformer repeats its layers and, inside each, its attention: the layers are the shard units. (FSDP2
+    would also take nested units, but only applied inner first; a unit inside a sharded one is an error.)
+    """
+    found: list[nn.Module] = []
+    inside: list[str] = []
+    for name, sub in module.named_modules():
+        if sub is module or any(name.startswith(prefix) for prefix in inside) or not isinstance(sub, classes):
+            continue
+        found.append(sub)
+        inside.append(f"{name}.")
+    return found
+
+
 class FSDPStrategy(ParallelStrategy):
     """Fully sharded data parallel (FSDP2) over torch.distributed.
 
@@ -65,7 +81,8 @@ class FSDPStrategy(ParallelStrategy):
     A module with a ``configure_model()`` method has it called on the meta
     device, so a model too large for one process is never materialised whole;
     its parameters are then allocated sharded and initialised with each
-    submodule's ``reset_parameters()``.
+    submodule's ``reset_parameters()``. (A ``configure_model(device_mesh)``
+    applies a tensor-parallel plan for `ModelParallelStrategy`; FSDP skips it.)
     """
 
     def __init__(
@@ -115,7 +132,10 @@ class FSDPStrategy(ParallelStrategy):
 
         if self._module is module:  # sharded by an earlier fit/validate/test of this trainer
             return module
-        build_on_meta = callable(getattr(module, "configure_model", None))
+        from ember.strategies.model_parallel import hook_takes_mesh
+
+        # configure_model(device_mesh) is ModelParallelStrategy's hook (a tensor-parallel plan): not called here.
+        build_on_meta = hook_takes_mesh(module) is False
         if build_on_meta:
             with torch.device("meta"):
                 module.configure_model()  # type: ignore[operator]
@@ -135,7 +155,7 @@ class FSDPStrategy(ParallelStrategy):
         for sub in list(module.modules()):
             if sub is not module and isinstance(sub, self.activation_checkpointing):
                 checkpoint(sub)
-        self._blocks = [sub for sub in module.modules() if sub is not module and isinstance(sub, classes)]
+        self._blocks = outermost_blocks(module, classes)
         for sub in self._blocks:
             fully_shard(sub, **options)
         fully_shard(module, **options)

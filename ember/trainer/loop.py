@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ember.trainer.checkpointing import at_boundary, save_stop_point
 from ember.trainer.data import EpochPlan, limited
-from ember.trainer.data_position import open_rest_of_epoch
+from ember.trainer.data_position import open_rest_of_epoch, same_layout
 from ember.trainer.optimization import (
     detached,
     loss_of,
@@ -184,7 +184,7 @@ def open_epoch(trainer: Trainer, loader: Any, start: int) -> Iterator[Any]:
     """The epoch's batch iterator; on resume, positioned after `start` batches with the step's RNG restored."""
     resumed, trainer._resume_state = trainer._resume_state, None
     epoch = trainer.progress.epoch
-    same_world = resumed is None or resumed.get("saved_world_size", 1) == trainer.strategy.world_size
+    same_world = same_layout(resumed, trainer.strategy)
     if start == 0 and resumed is not None:  # at an epoch boundary: the state the last epoch left, then set_epoch
         restore_rng(resumed["rng"])
         if "loader_generators" in resumed:

@@ -89,7 +89,7 @@ def parse_max_time(value: float | str | timedelta | dict[str, int] | None) -> fl
     return seconds
 
 
-_STRATEGIES = ("auto", "single_device", "ddp", "fsdp")
+_STRATEGIES = ("auto", "single_device", "ddp", "fsdp", "model_parallel")
 
 
 def resolve_strategy(
@@ -100,7 +100,11 @@ def resolve_strategy(
     precision: str | int,
     use_distributed_sampler: bool = True,
 ) -> Strategy:
-    """Build the strategy the options describe; ``"auto"`` is DDP when more than one process runs."""
+    """Build the strategy the options describe; ``"auto"`` is DDP when more than one process runs.
+
+    ``"model_parallel"`` is `ModelParallelStrategy` with both sizes ``"auto"`` (tensor parallel within each
+    node, data parallel across nodes); pass an instance (or a ``_target_`` section) for other sizes.
+    """
     from ember.strategies.ddp import DDPStrategy
     from ember.strategies.environment import detect
     from ember.strategies.fsdp import FSDPStrategy
@@ -135,7 +139,11 @@ def resolve_strategy(
         if count * num_nodes > 1:
             raise ValueError(f"strategy='single_device' runs one process; devices={devices}, num_nodes={num_nodes}")
         return Strategy("cuda:0" if use_cuda else "cpu", plugin)
-    if isinstance(strategy, str):
+    if strategy == "model_parallel":
+        from ember.strategies.model_parallel import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy()  # one TP group per node; a Strategy instance sets the sizes
+    elif isinstance(strategy, str):
         strategy = DDPStrategy() if strategy == "ddp" else FSDPStrategy()
     strategy.precision = plugin
     if isinstance(strategy, ParallelStrategy):
