@@ -67,7 +67,7 @@ _STRATEGY_ACTIONS = {
     "optimizer_step": "train/optimizer_step",
     "batch_to_device": "batch_to_device",
 }
-_TRAINER_ACTIONS = {"_log_metrics": "logging", "_log_epoch_metrics": "logging/epoch_end"}
+_REPORTER_ACTIONS = {"log_metrics": "logging", "log_epoch_metrics": "logging/epoch_end"}
 _WRITER_ACTIONS = {"flush": "checkpoint/write", "wait": "checkpoint/wait"}
 _EVAL_ACTIONS = {"validation": "validation", "test": "test", "predict": "predict"}
 
@@ -243,10 +243,10 @@ class Profiler:
         """Wrap the run's hooks, strategy step methods, logging and checkpoint writes (at the ``setup`` hook)."""
         for attr, name in _STRATEGY_ACTIONS.items():
             self._wrap_attr(trainer.strategy, attr, name)
-        for attr, name in _TRAINER_ACTIONS.items():
-            self._wrap_attr(trainer, attr, name)
+        for attr, name in _REPORTER_ACTIONS.items():
+            self._wrap_attr(trainer.reporter, attr, name)
         for attr, name in _WRITER_ACTIONS.items():
-            self._wrap_attr(trainer._writer, attr, name)
+            self._wrap_attr(trainer.checkpoint_writer, attr, name)
         trainer.hooks.instrument(self._wrap_hook)
         if self.config.kind == "pytorch":
             self._start_torch_profiler(trainer)
