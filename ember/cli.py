@@ -99,7 +99,7 @@ def add_export_parser(commands: Any) -> None:
 
     sub = commands.add_parser(
         "export",
-        help="export a checkpoint's module to ONNX, TorchScript, torch.export, safetensors or TorchServe",
+        help="export a checkpoint's module to ONNX, TorchScript, torch.export, safetensors, TorchServe or hf",
         description="ember export: write a checkpoint's module as an inference artifact and check it.",
         epilog=EXPORT_EPILOG,
         allow_abbrev=False,

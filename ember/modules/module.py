@@ -380,3 +380,19 @@ class TrainingModule(nn.Module):
         from ember.export import export_safetensors
 
         return export_safetensors(self, path, example_input, atol=atol, rtol=rtol)
+
+    def to_hf(
+        self,
+        path: str | os.PathLike[str],
+        tokenizer: Any = None,
+        example_input: Any = None,
+        *,
+        atol: float | None = None,
+        rtol: float | None = None,
+    ) -> ExportResult:
+        """Write this module's transformers model (``self.model``) and tokenizer (`tokenizer`, else
+        ``self.tokenizer``) to the directory `path` with ``save_pretrained``, and check that
+        ``from_pretrained(path)`` gives the same weights and logits; see `ember.export.export_hf`."""
+        from ember.export import export_hf
+
+        return export_hf(self, path, tokenizer, example_input, atol=atol, rtol=rtol)

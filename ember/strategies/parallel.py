@@ -88,6 +88,12 @@ class ParallelStrategy(Strategy):
     def world_size_requested(self) -> int:
         return self.devices * self.num_nodes
 
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """``num_replicas`` and ``rank`` of this process's data shard: every process has its own (the
+        model-parallel strategy shares one shard among the processes of a tensor-parallel group)."""
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
     def needs_launch(self) -> bool:
         """True when ``devices > 1`` was asked for but no launcher started the processes."""
         if self.cluster.kind != "single" or self.world_size_requested == 1:
@@ -153,13 +159,16 @@ class ParallelStrategy(Strategy):
         if type(loader.sampler) not in (RandomSampler, SequentialSampler):
             return loader  # a custom sampler: the user decides
         dataset = loader.dataset
+        shard = self.distributed_sampler_kwargs
         sampler: Sampler[int]
         if training:
             shuffle = isinstance(loader.sampler, RandomSampler)
             seed = int(os.environ.get("EMBER_SEED", 0))
-            sampler = DistributedSampler(dataset, self.world_size, self.global_rank, shuffle=shuffle, seed=seed)
+            sampler = DistributedSampler(
+                dataset, num_replicas=shard["num_replicas"], rank=shard["rank"], shuffle=shuffle, seed=seed
+            )
         else:
-            sampler = EvalDistributedSampler(len(dataset), self.world_size, self.global_rank)  # type: ignore[arg-type]
+            sampler = EvalDistributedSampler(len(dataset), **shard)  # type: ignore[arg-type]
         distributed = DataLoader(
             dataset,
             batch_size=loader.batch_size,
@@ -237,11 +246,11 @@ class ParallelStrategy(Strategy):
         make up the interval at its step time, and all take the smallest, so
         every process reads the result, and stops, at the same boundary.
         """
-        if not dist.is_initialized() or self.world_size == 1:
-            return local
-        self._boundaries_to_exchange -= 1
+        self._boundaries_to_exchange -= 1  # first: most boundaries end here, without a call into torch
         if self._boundaries_to_exchange > 0:
             return False
+        if not dist.is_initialized() or self.world_size == 1:
+            return local
         now = time.perf_counter()
         stop, interval = False, 1
         if self._flag_work is not None:

@@ -47,11 +47,11 @@ def record(trainer: Trainer) -> dict[str, Any] | None:
     loader = trainer.train_dataloader
     if not isinstance(loader, DataLoader):
         return None
-    world_size, progress = trainer.strategy.world_size, trainer.progress
+    world_size, progress = data_world(trainer.strategy)[0], trainer.progress
     position: dict[str, Any] = {
         "epoch": progress.epoch,
         "batches": progress.batch_idx,  # per process
-        "world_size": world_size,
+        "world_size": world_size,  # data-parallel shards (tensor-parallel peers share one)
         "order": None,  # how the epoch's global order is rebuilt; None: it cannot be
     }
     dataset, sampler, batch_size = loader.dataset, loader.sampler, loader.batch_size
@@ -130,7 +130,7 @@ def rest_of_epoch(
     `saved` is the checkpoint's per-process state (its ``position``); raises `CheckpointError` when the
     rest cannot be rebuilt, naming the reason and what to do.
     """
-    world_size, rank = trainer.strategy.world_size, trainer.strategy.global_rank
+    world_size, rank = data_world(trainer.strategy)
     position = saved.get("position")
     saved_world = int(saved.get("saved_world_size", 1))
 
@@ -184,12 +184,31 @@ def _splittable(loader: Any, world_size: int) -> str | None:
         return "this run's training DataLoader has a custom batch sampler"
     if isinstance(loader.dataset, IterableDataset):
         return "this run's training dataset is iterable"
-    if world_size > 1 and not isinstance(loader.sampler, DistributedSampler):
+    sampler = loader.sampler
+    if isinstance(sampler, DistributedSampler) and sampler.num_replicas == world_size:
+        return None
+    if world_size > 1:
         return "this run's training DataLoader is not split across processes (a custom sampler, or " \
             "use_distributed_sampler=False)"  # fmt: skip
-    if world_size == 1 and type(loader.sampler) not in _REPLAYABLE:
+    if type(sampler) not in _REPLAYABLE:
         return "this run's training DataLoader has a custom sampler"
     return None
+
+
+def data_world(strategy: Any) -> tuple[int, int]:
+    """(data-parallel shards, this process's shard): the processes of a tensor-parallel group share one."""
+    shard = strategy.distributed_sampler_kwargs
+    return int(shard["num_replicas"]), int(shard["rank"])
+
+
+def same_layout(saved: dict[str, Any] | None, strategy: Any) -> bool:
+    """Whether a checkpoint's per-process data state fits this run: the same number of processes and of
+    data-parallel shards (else the rest of an interrupted epoch is rebuilt from the global position)."""
+    if saved is None:
+        return True
+    position = saved.get("position") or {}
+    shards = data_world(strategy)[0]
+    return saved.get("saved_world_size", 1) == strategy.world_size and position.get("world_size", shards) == shards
 
 
 class _Indices(Dataset[int]):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ember.trainer.checkpointing import at_boundary, save_stop_point
 from ember.trainer.data import EpochPlan, finish_epoch, loader_length, set_epoch
-from ember.trainer.data_position import open_rest_of_epoch
+from ember.trainer.data_position import open_rest_of_epoch, same_layout
 from ember.trainer.evaluation import validate_in_fit
 from ember.trainer.optimization import detached, optimizer_step, plain_step, run_training_batch, step_schedulers
 from ember.trainer.resume import (
@@ -115,7 +115,6 @@ class FitLoop:
             self.running = False
         hooks.on_train_end()
         hooks.on_fit_end()
-        at_boundary(trainer, module)
 
     def run_epoch(self) -> None:
         trainer, module, progress, plan = self.trainer, self.module, self.progress, self.plan
@@ -214,7 +213,7 @@ class FitLoop:
         loader, trainer = self.train_loader, self.trainer
         resumed, self.resume_state = self.resume_state, None
         epoch = self.progress.epoch
-        same_world = resumed is None or resumed.get("saved_world_size", 1) == trainer.strategy.world_size
+        same_world = same_layout(resumed, trainer.strategy)
         if start == 0 and resumed is not None:  # at an epoch boundary: the state the last epoch left, then set_epoch
             restore_rng(resumed["rng"])
             if "loader_generators" in resumed:

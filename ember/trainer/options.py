@@ -174,11 +174,15 @@ def parse_max_time(value: float | str | timedelta | dict[str, int] | None) -> fl
     return seconds
 
 
-_STRATEGIES = ("auto", "single_device", "ddp", "fsdp")
+_STRATEGIES = ("auto", "single_device", "ddp", "fsdp", "model_parallel")
 
 
 def resolve_strategy(options: TrainerOptions) -> Strategy:
-    """Build the strategy the options describe; ``"auto"`` is DDP when more than one process runs."""
+    """Build the strategy the options describe; ``"auto"`` is DDP when more than one process runs.
+
+    ``"model_parallel"`` is `ModelParallelStrategy` with both sizes ``"auto"`` (tensor parallel within each
+    node, data parallel across nodes); pass an instance (or a ``_target_`` section) for other sizes.
+    """
     return _strategy(
         options.strategy, options.accelerator, options.devices, options.num_nodes, options.precision,
         options.use_distributed_sampler,
@@ -227,7 +231,11 @@ def _strategy(
         if count * num_nodes > 1:
             raise ValueError(f"strategy='single_device' runs one process; devices={devices}, num_nodes={num_nodes}")
         return Strategy("cuda:0" if use_cuda else "cpu", plugin)
-    if isinstance(strategy, str):
+    if strategy == "model_parallel":
+        from ember.strategies.model_parallel import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy()  # one TP group per node; a Strategy instance sets the sizes
+    elif isinstance(strategy, str):
         strategy = DDPStrategy() if strategy == "ddp" else FSDPStrategy()
     strategy.precision = plugin
     if isinstance(strategy, ParallelStrategy):
