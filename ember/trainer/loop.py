@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ember.trainer.checkpointing import at_boundary, save_stop_point
-from ember.trainer.data import EpochPlan, finish_epoch, loader_length, set_epoch
+from ember.trainer.data import (
+    EpochPlan,
+    check_not_empty,
+    finish_epoch,
+    loader_length,
+    num_batches,
+    resolve_loaders,
+    set_epoch,
+)
 from ember.trainer.data_position import open_rest_of_epoch, same_layout
 from ember.trainer.evaluation import validate_in_fit
 from ember.trainer.optimization import detached, optimizer_step, plain_step, run_training_batch, step_schedulers
@@ -70,12 +78,33 @@ class FitLoop:
         self.window_has_grads = False
         #: True while epochs run (between ``on_train_start`` and ``on_train_end``): saves wait for a boundary.
         self.running = False
-        self.clock = Clock(trainer.max_time_s)
+        self.clock = Clock(trainer.options.max_time_s)
         #: The checkpoint fit resumed from, and this process's state from it (until the first epoch opens).
         self.resumed_from: Path | None = None
         self.resume_state: dict[str, Any] | None = None
         #: Generator states the current epoch's DataLoader iterator drew from (for exact resume).
         self.epoch_start_state: dict[str, Any] | None = None
+
+    @classmethod
+    def build(cls, trainer: Trainer, module: TrainingModule, train: Any, val: Any, datamodule: Any) -> FitLoop:
+        """The loop of a fit: its loaders (given, or the datamodule's; distributed by the strategy), its epoch
+        plan and its validation sizes. Every process must train on the same number of batches."""
+        options, strategy = trainer.options, trainer.strategy
+        train_loaders = resolve_loaders("train", train, datamodule)
+        if not train_loaders:
+            raise ValueError("fit needs training data: pass train_dataloaders or a datamodule with train_dataloader()")
+        if len(train_loaders) > 1:
+            raise ValueError("fit takes one training dataloader; combine datasets into one loader")
+        val_loaders = resolve_loaders("validation", val, datamodule)
+        check_not_empty("train", train_loaders)
+        check_not_empty("validation", val_loaders)
+        train_loader = strategy.distribute_loader(train_loaders[0], training=True)
+        val_loaders = [strategy.distribute_loader(v, training=False) for v in val_loaders]
+        count = num_batches(train_loader, options.limit_train_batches, "limit_train_batches")
+        plan = EpochPlan.build(count, options.accumulate_grad_batches, options.val_check_interval)
+        strategy.check_same_batch_count(plan.num_batches)
+        num_val = [num_batches(v, options.limit_val_batches, "limit_val_batches") for v in val_loaders]
+        return cls(trainer, module, train_loader, val_loaders, plan, num_val)
 
     # --- stop conditions ---------------------------------------------------------------------
     def should_stop_in_epoch(self) -> bool:

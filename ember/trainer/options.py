@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import re
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from ember.callbacks.timer import parse_duration
 from ember.strategies.precision import resolve_precision
 from ember.strategies.strategy import Strategy
 from ember.trainer.data import check_limit
@@ -146,32 +146,8 @@ def check_val_check_interval(value: Any) -> None:
 
 
 def parse_max_time(value: float | str | timedelta | dict[str, int] | None) -> float | None:
-    if value is None:
-        return None
-    seconds: float | None = None
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, dict):
-        try:
-            seconds = timedelta(**value).total_seconds()
-        except TypeError:
-            raise ValueError(
-                f"max_time={value!r}: dict keys must be timedelta fields "
-                "(days, hours, minutes, seconds, milliseconds, ...)"
-            ) from None
-    elif isinstance(value, str):
-        match = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", value)
-        if not match:
-            raise ValueError(f"max_time={value!r}: use 'DD:HH:MM:SS', seconds, or a timedelta")
-        d, h, m, s = map(int, match.groups())
-        seconds = timedelta(days=d, hours=h, minutes=m, seconds=s).total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    if seconds is None or not seconds > 0:
-        raise ValueError(
-            f"max_time={value!r}: use a positive budget: seconds (> 0), 'DD:HH:MM:SS', a timedelta or a dict"
-        )
-    return seconds
+    """``max_time`` in seconds (None: no budget); see `ember.callbacks.timer.parse_duration`."""
+    return None if value is None else parse_duration(value, f"max_time={value!r}")
 
 
 _STRATEGIES = ("auto", "single_device", "ddp", "fsdp", "model_parallel")

@@ -8,19 +8,15 @@ the metrics path is `reporting.Reporter`. Other modules read the trainer through
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ember import checkpoint as ckpt
 from ember import stages
 from ember.callbacks.callback import Callback
 from ember.callbacks.callback_list import CallbackList
@@ -30,7 +26,6 @@ from ember.modules.datamodule import DataModule
 from ember.modules.logging import MetricCollector
 from ember.modules.module import TrainingModule
 from ember.modules.optimizers import SchedulerConfig
-from ember.strategies import launcher
 from ember.strategies.strategy import Strategy
 from ember.trainer import checkpointing, options, signals
 from ember.trainer.data import EpochPlan, check_not_empty, num_batches, resolve_loaders
@@ -40,6 +35,8 @@ from ember.trainer.numerics import FiniteGuard
 from ember.trainer.optimization import setup_optimizers
 from ember.trainer.progress import Progress
 from ember.trainer.reporting import Reporter
+from ember.trainer.run import RunState, running
+from ember.trainer.setup import record_hyperparameters
 
 if TYPE_CHECKING:
     from ember.tuning.profiler import Profiler, ProfilerConfig
@@ -118,12 +115,8 @@ class Trainer:
         self.reporter = Reporter(self)
         self._finite_guard = FiniteGuard(nonfinite_loss)
         self._writer = checkpointing.CheckpointWriter()
-        self._preemption = signals.PreemptionFlag([])
-        self._loggers_resolved = False
-        self._run_dir: Path | None = None
-        self._module: TrainingModule | None = None
-        self._model: nn.Module | None = None
-        self._ckpt: Path | None = None
+        #: What the runs set up: the run directory, the module as prepared, the checkpoint loaded (`run.RunState`).
+        self.run_state = RunState()
         self._fit_loop: FitLoop | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -148,16 +141,6 @@ class Trainer:
         """The callbacks given to the Trainer (`callbacks` adds ember's defaults)."""
         callbacks: list[Callback] = self.options.callbacks
         return callbacks
-
-    @property
-    def max_time_s(self) -> float | None:
-        """``max_time`` in seconds (None: no budget)."""
-        return self.options.max_time_s
-
-    @property
-    def compile_options(self) -> dict[str, Any] | None:
-        """``compile`` as torch.compile keywords; None when compiling is off."""
-        return self.options.compile_options
 
     @property
     def callback_metrics(self) -> dict[str, float]:
@@ -216,7 +199,7 @@ class Trainer:
     @property
     def ckpt_path(self) -> Path | None:
         """The checkpoint the current run loaded (``ckpt_path`` resolved), or None."""
-        return self._ckpt
+        return self.run_state.ckpt
 
     @property
     def finite_guard(self) -> FiniteGuard:
@@ -231,14 +214,21 @@ class Trainer:
     @property
     def preemption(self) -> signals.PreemptionFlag:
         """The preemption signal handlers of the running fit (the flag the loop reads at boundaries)."""
-        return self._preemption
+        return self.run_state.preemption
+
+    @property
+    def module(self) -> TrainingModule:
+        """The TrainingModule of the current (or most recent) fit/validate/test/predict."""
+        if self.run_state.module is None:
+            raise RuntimeError("trainer.module exists once fit/validate/test/predict has been called")
+        return self.run_state.module
 
     @property
     def model(self) -> nn.Module:
         """The module as the strategy prepared it (moved, and wrapped under DDP/FSDP)."""
-        if self._model is None:
+        if self.run_state.model is None:
             raise RuntimeError("trainer.model exists only inside fit/validate/test/predict")
-        return self._model
+        return self.run_state.model
 
     @property
     def logger(self) -> Logger | None:
@@ -252,9 +242,9 @@ class Trainer:
         Fixed (claimed) when the first fit/validate/test/predict starts; the run name is ``run_name`` or
         the module class in snake_case.
         """
-        if self._run_dir is None:
+        if self.run_state.run_dir is None:
             raise RuntimeError("trainer.run_dir is set when fit/validate/test/predict starts")
-        return self._run_dir
+        return self.run_state.run_dir
 
     @property
     def log_dir(self) -> Path:
@@ -300,38 +290,15 @@ class Trainer:
         training starts fresh, with an info line, when there is none) or from
         ``"best"`` (the best checkpoint of `ModelCheckpoint`).
         """
-        with self._run(stages.FIT, module, datamodule, ckpt_path):
-            loop = self._fit_loop = self._build_fit_loop(module, train_dataloaders, val_dataloaders, datamodule)
+        with running(self, stages.FIT, module, datamodule, ckpt_path):
+            loop = self._fit_loop = FitLoop.build(self, module, train_dataloaders, val_dataloaders, datamodule)
             setup_optimizers(loop)
-            if self._ckpt is not None:
-                checkpointing.resume(loop, self._ckpt)
-            from ember.trainer.setup import record_hyperparameters  # loaded with the run, as in _run
-
-            record_hyperparameters(self, module, resumed=self._ckpt is not None)
+            if self.ckpt_path is not None:
+                checkpointing.resume(loop, self.ckpt_path)
+            record_hyperparameters(self, module, resumed=self.ckpt_path is not None)
             if loop.plan.num_batches == 0:
                 return  # limit_train_batches=0 disables training
             loop.run()
-
-    def _build_fit_loop(self, module: TrainingModule, train: Any, val: Any, datamodule: DataModule | None) -> FitLoop:
-        """The fit's loop: its loaders (distributed by the strategy), epoch plan and validation sizes."""
-        train_loaders = resolve_loaders("train", train, datamodule)
-        if not train_loaders:
-            raise ValueError("fit needs training data: pass train_dataloaders or a datamodule with train_dataloader()")
-        if len(train_loaders) > 1:
-            raise ValueError("fit takes one training dataloader; combine datasets into one loader")
-        val_loaders = resolve_loaders("validation", val, datamodule)
-        check_not_empty("train", train_loaders)
-        check_not_empty("validation", val_loaders)
-        train_loader = self.strategy.distribute_loader(train_loaders[0], training=True)
-        val_loaders = [self.strategy.distribute_loader(v, training=False) for v in val_loaders]
-        plan = EpochPlan.build(
-            num_batches(train_loader, self.options.limit_train_batches, "limit_train_batches"),
-            self.options.accumulate_grad_batches,
-            self.options.val_check_interval,
-        )
-        self.strategy.check_same_batch_count(plan.num_batches)
-        num_val = [num_batches(v, self.options.limit_val_batches, "limit_val_batches") for v in val_loaders]
-        return FitLoop(self, module, train_loader, val_loaders, plan, num_val)
 
     def validate(
         self,
@@ -375,9 +342,9 @@ class Trainer:
         datamodule: DataModule | None,
         ckpt_path: str | os.PathLike[str] | None,
     ) -> list[Any]:
-        with self._run(stage, module, datamodule, ckpt_path):
-            if self._ckpt is not None:
-                checkpointing.load_weights(self, module, self._ckpt)
+        with running(self, stage, module, datamodule, ckpt_path):
+            if self.ckpt_path is not None:
+                checkpointing.load_weights(self, module, self.ckpt_path)
             given = resolve_loaders(stage.loop, loaders, datamodule)
             resolved = [self.strategy.distribute_loader(d, False) for d in given]
             if not resolved:
@@ -387,98 +354,7 @@ class Trainer:
             limit = getattr(self.options, stage.limit_option)
             limits = [num_batches(d, limit, stage.limit_option) for d in resolved]
             return run_evaluation(self, module, stage.loop, resolved, limits)
-        raise AssertionError("unreachable")  # pragma: no cover  (mypy: _run re-raises)
-
-    # --- a run: prepare, start, yield to the entry point, finish ------------------
-    @contextlib.contextmanager
-    def _run(
-        self,
-        stage: stages.Stage,
-        module: TrainingModule,
-        datamodule: DataModule | None,
-        ckpt_path: str | os.PathLike[str] | None = None,
-    ) -> Iterator[None]:
-        if not isinstance(module, TrainingModule):
-            raise TypeError(f"expected an ember.TrainingModule, got {type(module).__qualname__}")
-        if self.profiler is not None:
-            self.profiler.begin(self, stage.name)
-        hooks, claimed = self._prepare(stage, module, ckpt_path)
-        self.stage, self.should_stop, self.hooks = stage.name, False, hooks
-        self._module, self.datamodule, module._trainer = module, datamodule, self
-        status = "failed"
-        try:
-            self._start(stage, module, datamodule)
-            with torch.autograd.detect_anomaly() if self.options.detect_anomaly else contextlib.nullcontext():
-                yield
-            self._writer.release()  # the last background write is complete (or its error raised) when fit returns
-            status = "success"
-        except BaseException as exc:
-            status = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else "failed"
-            self.hooks.on_exception(exc)
-            checkpointing.finish_writes_quietly(self)
-            raise
-        finally:
-            self._finish(stage, datamodule, status, claimed)
-
-    def _prepare(
-        self, stage: stages.Stage, module: TrainingModule, ckpt_path: str | os.PathLike[str] | None
-    ) -> tuple[CallbackList, tuple[Path, Path] | None]:
-        """What can reject the run, before anything changes: callbacks, processes, loggers, the checkpoint to
-        load and the run directory (process 0 claims a new version; every process uses it)."""
-        from ember.trainer.setup import default_callbacks, resolve_loggers, run_name
-
-        hooks = CallbackList(self, module, [*self.user_callbacks, *default_callbacks(self)])
-        if self.strategy.needs_launch():
-            launcher.relaunch(self.strategy.world_size_requested, signals.resolve_signal(self.options.requeue_signal))
-        self.strategy.setup_environment()
-        if not self._loggers_resolved:  # only process 0 logs; the others keep no loggers at all
-            self.loggers = resolve_loggers(self.options.logger) if self.is_global_zero else []
-            self._loggers_resolved = True
-        root = Path(self.options.default_root_dir) / (self.options.run_name or run_name(module))
-        self._ckpt, continued = checkpointing.resolve_ckpt_path(self, ckpt_path, root, stage.name)
-        claimed: tuple[Path, Path] | None = None
-        if continued is not None:
-            self._run_dir = continued
-        elif self._run_dir is None:
-            claimed = ckpt.claim_version(root) if self.is_global_zero else None
-            self._run_dir = self.strategy.broadcast(claimed[0] if claimed is not None else None)
-        for logger in self.loggers:
-            logger.attach(self.run_dir)
-        return hooks, claimed
-
-    def _start(self, stage: stages.Stage, module: TrainingModule, datamodule: DataModule | None) -> None:
-        """Set the module up on its device(s), compile it if asked, catch preemption signals, call ``setup``."""
-        self._model = self.strategy.setup_module(module)
-        if self.compile_options is not None and not getattr(module, "_ember_compiled", False):
-            self.strategy.compile_module(module, self.compile_options)  # in place: state_dict keys stay clean
-            module._ember_compiled = True
-        if self.options.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-        if stage is stages.FIT:
-            requeue = signals.resolve_signal(self.options.requeue_signal)
-            self._preemption = signals.PreemptionFlag([signal.SIGTERM] + ([requeue] if requeue is not None else []))
-            self._preemption.install()
-        if datamodule is not None:
-            datamodule.setup(stage.name)
-        self.hooks.setup(stage.name)
-
-    def _finish(
-        self, stage: stages.Stage, datamodule: DataModule | None, status: str, claimed: tuple[Path, Path] | None
-    ) -> None:
-        """Undo what `_start` did, close the loggers, run ``teardown``; release an unused run directory."""
-        self._preemption.restore()
-        for logger in self.loggers:
-            logger.finalize(status)
-        self.hooks.teardown(stage.name)
-        if datamodule is not None:
-            datamodule.teardown(stage.name)
-        self.strategy.teardown()
-        self.stage = None
-        if claimed is not None:
-            ckpt.release_if_empty(*claimed)
-        if self.profiler is not None:
-            self.profiler.end(self)
+        raise AssertionError("unreachable")  # pragma: no cover  (mypy: running re-raises)
 
     def save_checkpoint(
         self,
@@ -500,11 +376,12 @@ class Trainer:
         ``set_last`` points the ``last`` file beside `path` at it once it is
         complete; ``on_done(path)`` runs on this thread after that.
         """
-        if self._module is None:
+        module = self.run_state.module
+        if module is None:
             raise RuntimeError("save_checkpoint needs a module: call it during or after fit/validate/test/predict")
         self._writer.request(Path(path), weights_only, async_save, set_last, on_done)
         if not self.training:
-            self._writer.flush(self, self._module)
+            self._writer.flush(self, module)
         return Path(path)
 
     @property
