@@ -94,6 +94,11 @@ class CallbackList:
         """Whether the module or any callback implements hook `name`."""
         return bool(self._table[name])
 
+    def bound(self, name: str) -> Callable[..., None] | None:
+        """This list's method for hook `name`, or None when nobody implements it (the loop skips the call)."""
+        method: Callable[..., None] = getattr(self, name)
+        return method if self._table[name] else None
+
     def _call(self, name: str, *args: Any) -> None:
         for fn in self._table[name]:
             fn(*args)

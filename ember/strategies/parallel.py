@@ -41,6 +41,25 @@ class EvalDistributedSampler(Sampler[int]):
         return len(range(self.rank, self.length, self.num_replicas))
 
 
+def rebuilt_loader(loader: DataLoader[Any], **changes: Any) -> DataLoader[Any]:
+    """A new DataLoader like `loader` (dataset, batch size, workers, collate, generator, ...) with `changes`
+    (a ``sampler``, a ``batch_size``, ``shuffle``...): DataLoader forbids changing these on a built one."""
+    kept: dict[str, Any] = {
+        "batch_size": loader.batch_size,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "drop_last": loader.drop_last,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "prefetch_factor": loader.prefetch_factor,
+        "persistent_workers": loader.persistent_workers,
+    }
+    return DataLoader(loader.dataset, **{**kept, **changes})
+
+
 class ParallelStrategy(Strategy):
     """Base of the multi-process strategies; one process per device.
 
@@ -169,21 +188,7 @@ class ParallelStrategy(Strategy):
             )
         else:
             sampler = EvalDistributedSampler(len(dataset), **shard)  # type: ignore[arg-type]
-        distributed = DataLoader(
-            dataset,
-            batch_size=loader.batch_size,
-            sampler=sampler,
-            num_workers=loader.num_workers,
-            collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory,
-            drop_last=loader.drop_last,
-            timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context,
-            generator=loader.generator,
-            prefetch_factor=loader.prefetch_factor,
-            persistent_workers=loader.persistent_workers,
-        )
+        distributed = rebuilt_loader(loader, sampler=sampler)
         # The sampler it replaces: a checkpoint written by one process replays its order to continue an
         # interrupted epoch on several (ember.trainer.data_position).
         distributed.ember_source_sampler = loader.sampler

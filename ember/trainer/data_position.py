@@ -32,6 +32,7 @@ from ember.checkpoint import CheckpointError
 from ember.trainer.resume import open_batches, restore_epoch_start
 
 if TYPE_CHECKING:
+    from ember.trainer.loop import FitLoop
     from ember.trainer.trainer import Trainer
 
 #: Samplers whose order ember can replay from the generator states of the epoch's start.
@@ -106,16 +107,17 @@ def split_rest(rest: list[int], world_size: int, rank: int, batch_size: int, dro
     return [mine[i * batch_size : (i + 1) * batch_size] for i in range(count)]
 
 
-def open_rest_of_epoch(trainer: Trainer, loader: Any, saved: dict[str, Any], start: int) -> Iterator[Any]:
+def open_rest_of_epoch(loop: FitLoop, saved: dict[str, Any], start: int) -> Iterator[Any]:
     """The iterator over this process's part of the rest of the interrupted epoch (`rest_of_epoch`).
 
     The epoch's batch index continues so that the epoch ends at its usual last index; a validation that
     ran right at the checkpoint still counts as done.
     """
-    rest = rest_of_epoch(trainer, loader, saved, trainer.epoch_start_state)
+    trainer, loader = loop.trainer, loop.train_loader
+    rest = rest_of_epoch(trainer, loader, saved, loop.epoch_start_state)
     progress = trainer.progress
     was_validated = progress.validated_after == start - 1
-    progress.batch_idx = int(trainer.epoch_plan.num_batches) - len(rest)
+    progress.batch_idx = int(loop.plan.num_batches) - len(rest)
     progress.validated_after = progress.batch_idx - 1 if was_validated else -1
     return open_batches(loader, rest, saved["rng"])
 
@@ -135,7 +137,7 @@ def rest_of_epoch(
     def refuse(reason: str) -> CheckpointError:
         batches = position["batches"] if position else trainer.progress.batch_idx
         return CheckpointError(
-            f"checkpoint {trainer._ckpt} was saved in the middle of epoch {trainer.progress.epoch} (after "
+            f"checkpoint {trainer.ckpt_path} was saved in the middle of epoch {trainer.progress.epoch} (after "
             f"{batches} batches on each of {saved_world} process(es)); this run has {world_size}, and {reason}. "
             f"Resume it on {saved_world} process(es), or resume from a checkpoint saved at an epoch end "
             "(e.g. ModelCheckpoint(every_n_epochs=1))"

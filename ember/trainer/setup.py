@@ -80,7 +80,7 @@ def given_loggers(trainer: Trainer) -> list[Logger]:
     """The loggers the user passed (resolved or not yet), without building the defaults."""
     if trainer.loggers:
         return trainer.loggers
-    option = trainer._logger_option
+    option = trainer.options.logger
     if isinstance(option, Logger):
         return [option]
     if isinstance(option, Sequence):

@@ -344,19 +344,13 @@ class _BatchSetter:
 
 
 def _with_batch_size(loader: Any, size: int) -> Any:
-    from torch.utils.data import DataLoader, RandomSampler
+    from torch.utils.data import RandomSampler
 
-    return DataLoader(
-        loader.dataset,
-        batch_size=size,
-        shuffle=isinstance(loader.sampler, RandomSampler),
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
-        generator=loader.generator,
-        worker_init_fn=loader.worker_init_fn,
-    )
+    from ember.strategies.parallel import rebuilt_loader
+
+    shuffle = isinstance(loader.sampler, RandomSampler)
+    return rebuilt_loader(loader, batch_size=size, shuffle=shuffle, timeout=0, multiprocessing_context=None,
+                          prefetch_factor=None, persistent_workers=False)  # fmt: skip
 
 
 def describe(result: BatchSizeResult, budget: int | None) -> str:

@@ -215,7 +215,7 @@ def lr_find(
     lrs = lr_schedule(min_lr, max_lr, num_steps, mode)
     test = _RangeTest(lrs, beta, divergence_factor)
     if logger is None:
-        option = trainer._logger_option
+        option = trainer.options.logger
         logger = option if isinstance(option, bool) or option is None else True
     snapshot = Snapshot.take(module, datamodule, train_dataloaders)
     callbacks: list[Callback] = [test, KeepLoaderGenerators(snapshot)]

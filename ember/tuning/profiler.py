@@ -44,14 +44,15 @@ main thread.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import Callback
+from ember.checkpoint.files import atomic_write
+from ember.tuning.profile_report import ActionStats, ProfileReport
 
 if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
@@ -67,7 +68,7 @@ _STRATEGY_ACTIONS = {
     "optimizer_step": "train/optimizer_step",
     "batch_to_device": "batch_to_device",
 }
-_TRAINER_ACTIONS = {"_log_metrics": "logging", "_log_epoch_metrics": "logging/epoch_end"}
+_REPORTER_ACTIONS = {"log_metrics": "logging", "log_epoch_metrics": "logging/epoch_end"}
 _WRITER_ACTIONS = {"flush": "checkpoint/write", "wait": "checkpoint/wait"}
 _EVAL_ACTIONS = {"validation": "validation", "test": "test", "predict": "predict"}
 
@@ -103,52 +104,6 @@ class ProfilerConfig:
             low = 1 if name == "active" else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"profiler {name}={value!r}: use an int >= {low}")
-
-
-@dataclass
-class ActionStats:
-    """Calls and seconds of one action: ``total`` includes nested actions, ``self`` does not."""
-
-    name: str
-    calls: int = 0
-    total: float = 0.0
-    self: float = 0.0
-
-
-@dataclass
-class ProfileReport:
-    """The result of one profiled run: every action, the wall time, and where it was written."""
-
-    stage: str
-    wall_s: float
-    actions: list[ActionStats] = field(default_factory=list)
-    path: Path | None = None
-    traces: list[Path] = field(default_factory=list)
-
-    @property
-    def attributed_s(self) -> float:
-        """Seconds covered by named actions (the self times of every row except the run's own)."""
-        return sum(a.self for a in self.actions if a.name != self.root)
-
-    @property
-    def root(self) -> str:
-        return f"{self.stage} (other)"
-
-    def table(self) -> str:
-        """The actions, most self time first, as a plain-text table."""
-        rows = sorted(self.actions, key=lambda a: a.self, reverse=True)
-        width = max([len(a.name) for a in rows] + [6])
-        head = f"{'action':<{width}}  {'calls':>8}  {'self s':>9}  {'self %':>6}  {'mean ms':>9}  {'total s':>9}"
-        lines = [f"profile of {self.stage}: {self.wall_s:.3f} s wall", head, "-" * len(head)]
-        for a in rows:
-            share = 100 * a.self / self.wall_s if self.wall_s > 0 else 0.0
-            mean = 1000 * a.self / a.calls if a.calls else 0.0
-            lines.append(
-                f"{a.name:<{width}}  {a.calls:>8}  {a.self:>9.4f}  {share:>6.1f}  {mean:>9.4f}  {a.total:>9.4f}"
-            )
-        covered = 100 * self.attributed_s / self.wall_s if self.wall_s > 0 else 0.0
-        lines.append(f"named actions cover {covered:.1f}% of the wall time")
-        return "\n".join(lines)
 
 
 class Profiler:
@@ -243,10 +198,10 @@ class Profiler:
         """Wrap the run's hooks, strategy step methods, logging and checkpoint writes (at the ``setup`` hook)."""
         for attr, name in _STRATEGY_ACTIONS.items():
             self._wrap_attr(trainer.strategy, attr, name)
-        for attr, name in _TRAINER_ACTIONS.items():
-            self._wrap_attr(trainer, attr, name)
+        for attr, name in _REPORTER_ACTIONS.items():
+            self._wrap_attr(trainer.reporter, attr, name)
         for attr, name in _WRITER_ACTIONS.items():
-            self._wrap_attr(trainer._writer, attr, name)
+            self._wrap_attr(trainer.checkpoint_writer, attr, name)
         trainer.hooks.instrument(self._wrap_hook)
         if self.config.kind == "pytorch":
             self._start_torch_profiler(trainer)
@@ -296,9 +251,9 @@ class Profiler:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             report.path = directory / f"{report.stage}{suffix}.txt"
-            _write_text(report.path, report.table() + "\n")
+            atomic_write(report.path, report.table() + "\n")
             data = {"stage": report.stage, "wall_s": report.wall_s, "actions": [asdict(a) for a in report.actions]}
-            _write_text(directory / f"{report.stage}{suffix}.json", json.dumps(data, indent=1) + "\n")
+            atomic_write(directory / f"{report.stage}{suffix}.json", json.dumps(data, indent=1) + "\n")
         except OSError as exc:
             print(f"ember: profiler: cannot write {directory}: {exc}", flush=True)
 
@@ -384,9 +339,6 @@ class _ProfilerCallback(Callback):
         else:
             self.profiler._phase("teardown")
 
-    def _eval_batch_end(self, trainer: Trainer) -> None:
-        if trainer.stage != "fit":
-            self.profiler.step()
 
     def on_validation_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._eval_start(trainer, "validation")
@@ -406,38 +358,12 @@ class _ProfilerCallback(Callback):
     def on_predict_end(self, trainer: Trainer, module: TrainingModule) -> None:
         self._eval_end(trainer)
 
-    def on_validation_batch_end(
-        self,
-        trainer: Trainer,
-        module: TrainingModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._eval_batch_end(trainer)
+    def on_validation_batch_end(self, trainer: Trainer, module: TrainingModule, *args: Any, **kwargs: Any) -> None:
+        if trainer.stage != "fit":
+            self.profiler.step()
 
-    def on_test_batch_end(
-        self,
-        trainer: Trainer,
-        module: TrainingModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._eval_batch_end(trainer)
-
-    def on_predict_batch_end(
-        self,
-        trainer: Trainer,
-        module: TrainingModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._eval_batch_end(trainer)
+    on_test_batch_end = on_validation_batch_end
+    on_predict_batch_end = on_validation_batch_end
 
 
 def resolve_profiler(value: Any) -> Profiler | None:
@@ -462,7 +388,3 @@ def resolve_profiler(value: Any) -> Profiler | None:
     raise TypeError(f"profiler must be 'simple', 'pytorch', a ProfilerConfig, a Profiler or None; got {value!r}")
 
 
-def _write_text(path: Path, text: str) -> None:
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text, encoding="utf-8")
-    os.replace(partial, path)

@@ -107,8 +107,8 @@ def release(scratch: Trainer) -> None:
     """
     if hasattr(scratch.strategy, "_ddp"):
         scratch.strategy._ddp = None
-    scratch._model = None
-    scratch._module = None
+    scratch.run_state.model = None
+    scratch.run_state.module = None
     scratch.optimizers, scratch.lr_scheduler_configs = [], []
     gc.collect()
 

@@ -22,6 +22,7 @@ from ember.strategies.model_parallel import (
     mesh_shape,
     total_norm,
 )
+from ember.trainer import options
 from ember.trainer.options import resolve_strategy
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -109,15 +110,20 @@ def test_the_total_norm_of_plain_gradients_is_torchs() -> None:
     assert float(total_norm([], 2.0)) == 0.0
 
 
+def _resolve(strategy: Any, devices: int, num_nodes: int) -> Any:
+    given = {"strategy": strategy, "accelerator": "cpu", "devices": devices, "num_nodes": num_nodes}
+    return resolve_strategy(options.build(given))
+
+
 def test_resolve_strategy_knows_model_parallel() -> None:
-    strategy = resolve_strategy("model_parallel", "cpu", 4, 2, "32-true")
+    strategy = _resolve("model_parallel", 4, 2)
     assert isinstance(strategy, ModelParallelStrategy)
     assert (strategy.data_parallel_size, strategy.tensor_parallel_size) == ("auto", "auto")
     assert (strategy.devices, strategy.num_nodes, strategy.world_size_requested) == (4, 2, 8)
     given = ModelParallelStrategy(2, 2, loss_parallel=True)
-    assert resolve_strategy(given, "cpu", 4, 1, "32-true") is given
+    assert _resolve(given, 4, 1) is given
     with pytest.raises(ValueError, match="model_parallel"):
-        resolve_strategy("tensor_parallel", "cpu", 2, 1, "32-true")
+        _resolve("tensor_parallel", 2, 1)
 
 
 def test_the_tp_config_builds_its_strategy() -> None:

@@ -74,17 +74,17 @@ def test_a_profiled_run_trains_exactly_like_an_unprofiled_one(tiny: Any, tmp_pat
 
 
 def test_without_a_profiler_nothing_is_attached(tiny: Any, tmp_path: Path) -> None:
-    trainer, module, _ = _fit(tiny, tmp_path, None)
+    trainer, _, _ = _fit(tiny, tmp_path, None)
     assert trainer.profiler is None
-    assert steps_are_plain(trainer, module)  # the loop keeps its plain path
+    assert steps_are_plain(trainer.fit_loop)  # the loop keeps its plain path
     for name in ("training_step", "backward", "optimizer_step", "batch_to_device"):
         assert name not in vars(trainer.strategy)
 
 
 def test_the_wrappers_are_removed_after_the_run(tiny: Any, tmp_path: Path) -> None:
-    trainer, module, _ = _fit(tiny, tmp_path, "simple")
-    assert not steps_are_plain(trainer, module)  # a profiled run takes the general path (it times its parts)
-    for obj in (trainer.strategy, trainer, trainer._writer):
+    trainer, _, _ = _fit(tiny, tmp_path, "simple")
+    assert not steps_are_plain(trainer.fit_loop)  # a profiled run takes the general path (it times its parts)
+    for obj in (trainer.strategy, trainer.reporter, trainer.checkpoint_writer):
         wrapped = [k for k, v in vars(obj).items() if callable(v) and hasattr(v, "__wrapped__")]
         assert wrapped == [], (type(obj).__name__, wrapped)
 
