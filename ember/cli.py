@@ -50,20 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, text in COMMANDS.items():
-        sub = commands.add_parser(
-            name,
-            help=text,
-            description=f"ember {name}: {text}.",
-            epilog=EPILOG,
-            allow_abbrev=False,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        sub.add_argument(
-            "-c", "--config", action="append", default=[], metavar="FILE", help="a YAML config; repeat to layer"
-        )
+        sub = add_command(commands, name, text, f"ember {name}: {text}.", EPILOG)
+        add_seed(sub)
         sub.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
-        sub.add_argument("--seed", type=int, metavar="N", help="seed everything with N (same as seed=N)")
-        sub.add_argument("--debug", action="store_true", help="show full tracebacks")
         if name == "fit":
             sub.add_argument(
                 "--resume",
@@ -83,6 +72,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_command(
+    commands: Any,
+    name: str,
+    text: str,
+    description: str,
+    epilog: str,
+    config_help: str = "a YAML config; repeat to layer",
+) -> argparse.ArgumentParser:
+    """A subcommand of ``ember``, with the options they all have: ``-c/--config`` (repeatable) and ``--debug``."""
+    sub: argparse.ArgumentParser = commands.add_parser(
+        name,
+        help=text,
+        description=description,
+        epilog=epilog,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub.add_argument("-c", "--config", action="append", default=[], metavar="FILE", help=config_help)
+    sub.add_argument("--debug", action="store_true", help="show full tracebacks")
+    return sub
+
+
+def add_seed(sub: argparse.ArgumentParser) -> None:
+    """``--seed N``, for the subcommands that train or evaluate."""
+    sub.add_argument("--seed", type=int, metavar="N", help="seed everything with N (same as seed=N)")
+
+
 EXPORT_EPILOG = """\
 A checkpoint is data: nothing it names is imported or run. The module is built from the -c config (or
 the --module class with the checkpoint's saved hyperparameters) and loads the checkpoint's weights;
@@ -97,18 +113,10 @@ def add_export_parser(commands: Any) -> None:
     """``ember export``: its own options (no trainer run), overrides as for the other subcommands."""
     from ember.export import FORMATS
 
-    sub = commands.add_parser(
-        "export",
-        help="export a checkpoint's module to ONNX, TorchScript, torch.export, safetensors, TorchServe or hf",
-        description="ember export: write a checkpoint's module as an inference artifact and check it.",
-        epilog=EXPORT_EPILOG,
-        allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    text = "export a checkpoint's module to ONNX, TorchScript, torch.export, safetensors, TorchServe or hf"
+    description = "ember export: write a checkpoint's module as an inference artifact and check it."
+    sub = add_command(commands, "export", text, description, EXPORT_EPILOG, "the run's YAML config (builds the module)")
     sub.add_argument("--ckpt", required=True, metavar="last|PATH", help="a checkpoint; 'last': the run's newest")
-    sub.add_argument(
-        "-c", "--config", action="append", default=[], metavar="FILE", help="the run's YAML config (builds the module)"
-    )
     sub.add_argument(
         "--module",
         metavar="CLASS",
@@ -129,7 +137,6 @@ def add_export_parser(commands: Any) -> None:
     sub.add_argument("--static-batch", action="store_true", help="onnx, torch-export: fix the batch size")
     sub.add_argument("--atol", type=float, metavar="X", help="check tolerance, absolute (default 1e-4)")
     sub.add_argument("--rtol", type=float, metavar="X", help="check tolerance, relative (default 1e-4)")
-    sub.add_argument("--debug", action="store_true", help="show full tracebacks")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,12 +8,12 @@ each call site in the loops reads like a normal method call.
 
 from __future__ import annotations
 
-import difflib
 import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import HOOK_NAMES, Callback
+from ember.hints import did_you_mean
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -34,8 +34,7 @@ def check_hook_names(obj: object, base: type) -> None:
             continue
         for name, value in vars(klass).items():
             if name.startswith("on_") and callable(value) and name not in HOOK_NAMES:
-                close = difflib.get_close_matches(name, HOOK_NAMES, n=1)
-                hint = f"did you mean '{close[0]}'?" if close else "see docs/hooks.md for the list of hooks."
+                hint = did_you_mean(name, HOOK_NAMES, "see docs/hooks.md for the list of hooks.")
                 raise AttributeError(
                     f"{klass.__qualname__}.{name} is not an ember hook and would never be called; {hint}"
                 )

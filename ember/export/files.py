@@ -28,7 +28,7 @@ def staged(path: Path) -> Iterator[Path]:
         yield folder / path.name
         if not (folder / path.name).is_file():
             raise ExportError(f"exporting {path} wrote no file")
-        mode = _default_file_mode(folder)
+        mode = _default_mode(folder)
         for item in sorted(folder.iterdir(), key=lambda p: p.name == path.name):
             os.chmod(item, mode)  # some writers (safetensors) create files readable by their owner only
             fsync_path(item)
@@ -38,12 +38,17 @@ def staged(path: Path) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _default_file_mode(folder: Path) -> int:
-    """The permissions ``open(path, "w")`` gives a new file here (0o666 less the umask)."""
+def _default_mode(folder: Path, directory: bool = False) -> int:
+    """The permissions a new file (0o666 less the umask) or directory (0o777 less it) gets here."""
     probe = folder / ".mode-probe"
-    probe.touch()
-    mode = probe.stat().st_mode & 0o777
-    probe.unlink()
+    if directory:
+        probe.mkdir()
+        mode = probe.stat().st_mode & 0o777
+        probe.rmdir()
+    else:
+        probe.touch()
+        mode = probe.stat().st_mode & 0o777
+        probe.unlink()
     return mode
 
 
@@ -60,12 +65,12 @@ def staged_dir(path: Path) -> Iterator[Path]:
     old: Path | None = None
     try:
         yield folder
-        file_mode = _default_file_mode(folder)
+        file_mode = _default_mode(folder)
         for item in folder.rglob("*"):
             if item.is_file():
                 os.chmod(item, file_mode)  # safetensors creates files readable by their owner only
                 fsync_path(item)
-        os.chmod(folder, _default_dir_mode(folder))  # mkdtemp made it private
+        os.chmod(folder, _default_mode(folder, directory=True))  # mkdtemp made it private
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
             os.replace(path, old / path.name)
@@ -75,12 +80,3 @@ def staged_dir(path: Path) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def _default_dir_mode(folder: Path) -> int:
-    """The permissions ``mkdir`` gives a new directory here (0o777 less the umask)."""
-    probe = folder / ".mode-probe-dir"
-    probe.mkdir()
-    mode = probe.stat().st_mode & 0o777
-    probe.rmdir()
-    return mode

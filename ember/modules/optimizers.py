@@ -11,13 +11,14 @@ Accepted forms:
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from ember.hints import did_you_mean
 
 _OPTIMIZER_KEYS = ("optimizer", "lr_scheduler")
 _SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "monitor", "strict", "name")
@@ -48,9 +49,8 @@ class OptimizerSetup:
 def _check_keys(where: str, given: Mapping[str, Any], valid: Sequence[str]) -> None:
     for key in given:
         if key not in valid:
-            close = difflib.get_close_matches(str(key), valid, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
-            raise ValueError(f"configure_optimizers: unknown key {key!r} in the {where} dict{hint}")
+            hint = did_you_mean(str(key), valid, f"valid keys: {', '.join(valid)}")
+            raise ValueError(f"configure_optimizers: unknown key {key!r} in the {where} dict; {hint}")
 
 
 def _parse_scheduler(value: Any) -> SchedulerConfig:

@@ -147,7 +147,7 @@ class FitLoop:
 
     def run_epoch(self) -> None:
         trainer, module, progress, plan = self.trainer, self.module, self.progress, self.plan
-        hooks, collector = trainer.hooks, trainer.train_collector
+        hooks, collector = trainer.hooks, trainer.reporter.train_collector
         validates = any(self.num_val_batches) and (progress.epoch + 1) % trainer.check_val_every_n_epoch == 0
         start = progress.batch_idx  # > 0 only when resuming inside this epoch
         if start == 0:
@@ -187,7 +187,7 @@ class FitLoop:
         both give the same run), else `optimization.run_training_batch`.
         """
         trainer, progress, plan, hooks = self.trainer, self.progress, self.plan, self.trainer.hooks
-        strategy, collector, reporter = trainer.strategy, trainer.train_collector, trainer.reporter
+        strategy, collector, reporter = trainer.strategy, trainer.reporter.train_collector, trainer.reporter
         to_device = None if strategy.batches_stay_put else strategy.batch_to_device
         batch_start = hooks.bound("on_train_batch_start")
         batch_end = hooks.bound("on_train_batch_end")

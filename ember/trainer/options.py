@@ -10,7 +10,6 @@ resolved. Objects built from options (the strategy, the profiler) are the Traine
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from ember.callbacks.timer import parse_duration
+from ember.hints import did_you_mean
 from ember.strategies.precision import resolve_precision
 from ember.strategies.strategy import Strategy
 from ember.trainer.data import check_limit
@@ -235,9 +235,8 @@ def compile_options(value: bool | dict[str, Any]) -> dict[str, Any] | None:
         raise TypeError(f"compile must be True, False or a dict of torch.compile options; got {value!r}")
     for key in value:
         if key not in _COMPILE_KEYS:
-            close = difflib.get_close_matches(str(key), _COMPILE_KEYS, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(_COMPILE_KEYS)}"
-            raise ValueError(f"compile: unknown option {key!r}{hint}")
+            hint = did_you_mean(str(key), _COMPILE_KEYS, f"valid: {', '.join(_COMPILE_KEYS)}")
+            raise ValueError(f"compile: unknown option {key!r}; {hint}")
     if value.get("mode", "default") not in _COMPILE_MODES:
         raise ValueError(f"compile: mode={value['mode']!r}; choose one of: {', '.join(_COMPILE_MODES)}")
     return dict(value)

@@ -186,7 +186,7 @@ def registry(trainer: Trainer, module: TrainingModule) -> dict[str, Stateful]:
         "lr_schedulers": _ListState("lr schedulers", [c.scheduler for c in trainer.lr_scheduler_configs]),
         "precision": trainer.strategy.precision,
         "progress": trainer.progress,
-        "metrics": trainer.train_collector,
+        "metrics": trainer.reporter.train_collector,
         "callbacks": _CallbackStates(trainer),
         "loggers": _LoggerStates(trainer),
     }
@@ -267,7 +267,8 @@ def gather(
         "state": states,
     }
     trainer.hooks.on_save_checkpoint(meta)
-    rank_state = {"rng": capture_rng(), "epoch_start": trainer.epoch_start_state, **data_state(trainer)}
+    epoch_start = trainer.fit_loop.epoch_start_state if trainer.fit_loop is not None else None
+    rank_state = {"rng": capture_rng(), "epoch_start": epoch_start, **data_state(trainer)}
     if copy:
         tensors = {k: _copy_into(staging, k, v.detach()) for k, v in tensors.items()}
         meta, rank_state = copy_module.deepcopy(meta), copy_module.deepcopy(rank_state)

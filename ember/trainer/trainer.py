@@ -168,10 +168,6 @@ class Trainer:
         return self.reporter.collector
 
     @property
-    def train_collector(self) -> MetricCollector:
-        return self.reporter.train_collector
-
-    @property
     def fit_loop(self) -> FitLoop | None:
         """The running (or most recent) fit's loop: its epoch plan, loaders and data position."""
         return self._fit_loop
@@ -190,11 +186,6 @@ class Trainer:
     def train_dataloader(self) -> Any:
         """The training DataLoader of the running (or most recent) fit, as the strategy distributed it."""
         return self._fit_loop.train_loader if self._fit_loop is not None else None
-
-    @property
-    def epoch_start_state(self) -> dict[str, Any] | None:
-        """Generator states the current training epoch's DataLoader iterator drew from (for exact resume)."""
-        return self._fit_loop.epoch_start_state if self._fit_loop is not None else None
 
     @property
     def ckpt_path(self) -> Path | None:

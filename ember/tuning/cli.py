@@ -51,37 +51,23 @@ def add_parsers(commands: Any) -> None:
     batch.add_argument("--steps-per-trial", type=int, default=3, metavar="N", help="optimizer steps per size (3)")
     batch.add_argument("--memory-budget", metavar="BYTES", help="e.g. 2GB or 512MiB (required on the CPU)")
     batch.add_argument("--attr", default="batch_size", metavar="NAME", help="the datamodule's batch size attribute")
-    sweep = commands.add_parser(
-        "sweep",
-        help="hyperparameter sweep on Optuna (SQLite study, worker processes, pruning)",
-        description="ember sweep: run trials of a config with values from a search space.",
-        epilog=SWEEP_EPILOG,
-        allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sweep.add_argument("-c", "--config", action="append", default=[], metavar="FILE", help="the base config(s)")
+    from ember.cli import add_command
+
+    text = "hyperparameter sweep on Optuna (SQLite study, worker processes, pruning)"
+    description = "ember sweep: run trials of a config with values from a search space."
+    sweep = add_command(commands, "sweep", text, description, SWEEP_EPILOG, "the base config(s)")
     sweep.add_argument("--space", required=True, metavar="FILE", help="the search space (sweep.yaml)")
     sweep.add_argument("--trials", type=int, required=True, metavar="N", help="finished trials to reach")
     sweep.add_argument("--workers", type=int, default=1, metavar="K", help="worker processes (1)")
     sweep.add_argument("--dir", metavar="DIR", help="sweep directory (default <default_root_dir>/sweeps/<space>)")
     sweep.add_argument("--max-failures", type=int, default=3, metavar="N", help="stop after N trials raise (3)")
-    sweep.add_argument("--debug", action="store_true", help="show full tracebacks")
 
 
 def _add(finders: Any, name: str, text: str) -> argparse.ArgumentParser:
-    sub: argparse.ArgumentParser = finders.add_parser(
-        name,
-        help=text,
-        description=f"ember tune {name}: {text}.",
-        epilog=TUNE_EPILOG,
-        allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub.add_argument(
-        "-c", "--config", action="append", default=[], metavar="FILE", help="a YAML config; repeat to layer"
-    )
-    sub.add_argument("--seed", type=int, metavar="N", help="seed everything with N (same as seed=N)")
-    sub.add_argument("--debug", action="store_true", help="show full tracebacks")
+    from ember.cli import add_command, add_seed
+
+    sub = add_command(finders, name, text, f"ember tune {name}: {text}.", TUNE_EPILOG)
+    add_seed(sub)
     return sub
 
 

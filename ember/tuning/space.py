@@ -27,7 +27,6 @@ at the same point.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import json
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.config.schema import ConfigError
+from ember.hints import did_you_mean
 
 DISTRIBUTIONS = ("uniform", "log_uniform", "int_uniform", "int_log_uniform", "categorical")
 _ALIASES = {"log_uniform_values": "log_uniform"}
@@ -121,8 +121,7 @@ class SweepSpace:
             raise ConfigError(f"{source}: expected a mapping with metric, parameters, ...; got {data!r}")
         for key in data:
             if key not in _TOP_KEYS:
-                close = difflib.get_close_matches(str(key), _TOP_KEYS, n=1)
-                hint = f"did you mean {close[0]}?" if close else f"valid keys: {', '.join(_TOP_KEYS)}"
+                hint = did_you_mean(str(key), _TOP_KEYS, f"valid keys: {', '.join(_TOP_KEYS)}", quote=False)
                 raise error(str(key), f"no such key; {hint}")
         metric, direction = _metric(data, error)
         sampler, sampler_options = _named(data.get("sampler", data.get("method", "tpe")), "sampler", SAMPLERS, error)
@@ -194,8 +193,7 @@ def _build(kind: Any, what: str, source: str, *args: Any, **options: Any) -> Any
     accepted = inspect.signature(kind).parameters
     for name in options:
         if name not in accepted:
-            close = difflib.get_close_matches(name, list(accepted), n=1)
-            hint = f"did you mean {close[0]}?" if close else f"{kind.__name__} takes: {', '.join(accepted)}"
+            hint = did_you_mean(name, accepted, f"{kind.__name__} takes: {', '.join(accepted)}", quote=False)
             raise ConfigError(f"{source}: {what}.{name}: {kind.__name__} has no option {name!r}; {hint}")
     try:
         return kind(*args, **options)

@@ -259,7 +259,7 @@ def test_an_interrupted_validate_leaves_the_trainer_reusable(tmp_path: Path) -> 
         trainer.validate(module, loader())
     assert trainer.stage is None
     assert module.training and not module.model.training
-    assert trainer.collector is trainer.train_collector
+    assert trainer.collector is trainer.reporter.train_collector
     module.interrupt = False
     module.model.train()
     trainer.fit(module, loader(), loader(8))
