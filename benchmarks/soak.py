@@ -406,7 +406,7 @@ def _logs(run: Run) -> str:
     return "\n".join(p.read_text(errors="replace")[-2000:] for p in logs)
 
 
-def soak(workdir: Path, per_config: int, seed: int = 0, timeout_s: float = 120.0) -> Report:
+def soak(workdir: Path, per_config: int, seed: int = 0, timeout_s: float = 600.0) -> Report:
     """Interrupt each configuration `per_config` times, then let it complete; compare with a reference."""
     start = time.monotonic()
     report = Report()
