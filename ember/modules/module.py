@@ -219,7 +219,7 @@ class TrainingModule(nn.Module):
                 warnings.warn(f"self.log({name!r}) outside a Trainer is ignored", RuntimeWarning, stacklevel=2)
                 self._warned_no_trainer = True
             return
-        trainer.collector.log(name, value, on_step, on_epoch, prog_bar, reduce_fx, sync_dist, batch_size)
+        trainer.reporter.collector.log(name, value, on_step, on_epoch, prog_bar, reduce_fx, sync_dist, batch_size)
 
     def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:
         """Call `log` for every item of `values` with the same options."""

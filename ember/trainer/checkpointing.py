@@ -264,11 +264,12 @@ def handle_preemption(trainer: Trainer, module: TrainingModule, signum: int) -> 
 
 def at_boundary(trainer: Trainer, module: TrainingModule) -> None:
     """A step or epoch boundary: write pending checkpoints; act on a preemption signal."""
-    received = trainer.preemption.received
+    received = trainer.run_state.preemption.received  # the state, not the properties: this runs every step
     if trainer.strategy.preemption_requested(received is not None):
         handle_preemption(trainer, module, received or signal.SIGTERM)
-    if trainer.checkpoint_writer.pending:
-        trainer.checkpoint_writer.flush(trainer, module)
+    writer = trainer.checkpoint_writer
+    if writer.pending:
+        writer.flush(trainer, module)
 
 
 def save_stop_point(trainer: Trainer, module: TrainingModule) -> None:

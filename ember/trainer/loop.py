@@ -79,6 +79,7 @@ class FitLoop:
         #: True while epochs run (between ``on_train_start`` and ``on_train_end``): saves wait for a boundary.
         self.running = False
         self.clock = Clock(trainer.options.max_time_s)
+        self.max_steps = trainer.options.max_steps  # read at every step boundary: options are frozen
         #: The checkpoint fit resumed from, and this process's state from it (until the first epoch opens).
         self.resumed_from: Path | None = None
         self.resume_state: dict[str, Any] | None = None
@@ -111,7 +112,7 @@ class FitLoop:
         trainer = self.trainer
         return (
             trainer.should_stop
-            or 0 <= trainer.max_steps <= self.progress.global_step
+            or 0 <= self.max_steps <= self.progress.global_step
             or (self.clock.max_time_s is not None and self.clock.expired())
         )
 
@@ -194,6 +195,7 @@ class FitLoop:
         step = self.resolve_step()
         log_every, log, step_metrics = trainer.log_every_n_steps, reporter.log_metrics, reporter.step_metrics
         validate_after = self.validate_after if validates else None
+        accumulate, last = plan.accumulate, plan.num_batches - 1  # plan.ends_window, inlined
         for batch_idx, batch in batches:
             if to_device is not None:
                 batch = to_device(batch)
@@ -209,7 +211,7 @@ class FitLoop:
                 batch_end(detached(output), batch, batch_idx)
             if validate_after is not None and plan.validates_after(batch_idx):
                 validate_after(batch_idx)
-            if plan.ends_window(batch_idx) and self.window_ended(batch_idx):
+            if ((batch_idx + 1) % accumulate == 0 or batch_idx == last) and self.window_ended(batch_idx):
                 break
 
     def resolve_step(self) -> StepFn:

@@ -114,7 +114,8 @@ class Trainer:
         self.hooks: CallbackList
         self.reporter = Reporter(self)
         self._finite_guard = FiniteGuard(nonfinite_loss)
-        self._writer = checkpointing.CheckpointWriter()
+        #: Writes checkpoints at step boundaries (in the background when asked).
+        self.checkpoint_writer = checkpointing.CheckpointWriter()
         #: What the runs set up: the run directory, the module as prepared, the checkpoint loaded (`run.RunState`).
         self.run_state = RunState()
         self._fit_loop: FitLoop | None = None
@@ -196,11 +197,6 @@ class Trainer:
     def finite_guard(self) -> FiniteGuard:
         """The non-finite loss guard (``nonfinite_loss``)."""
         return self._finite_guard
-
-    @property
-    def checkpoint_writer(self) -> checkpointing.CheckpointWriter:
-        """Writes checkpoints at step boundaries (in the background when asked)."""
-        return self._writer
 
     @property
     def preemption(self) -> signals.PreemptionFlag:
@@ -370,9 +366,9 @@ class Trainer:
         module = self.run_state.module
         if module is None:
             raise RuntimeError("save_checkpoint needs a module: call it during or after fit/validate/test/predict")
-        self._writer.request(Path(path), weights_only, async_save, set_last, on_done)
+        self.checkpoint_writer.request(Path(path), weights_only, async_save, set_last, on_done)
         if not self.training:
-            self._writer.flush(self, module)
+            self.checkpoint_writer.flush(self, module)
         return Path(path)
 
     @property
