@@ -13,11 +13,12 @@ A module may also define any hook of `ember.Callback`, without the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -364,6 +365,36 @@ class TrainingModule(nn.Module):
         if self._manual_backward_fn is None:
             raise RuntimeError("manual_backward() is available inside fit only")
         self._manual_backward_fn(loss)
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Train only `optimizer`'s parameters until `untoggle_optimizer` (Lightning's call, for GANs).
+
+        Every other parameter of the module gets ``requires_grad=False``, so a backward through, e.g., the
+        discriminator while training the generator leaves the discriminator's gradients alone.
+        """
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # a ManualOptimizer wraps the torch one
+        own = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        toggled: dict[nn.Parameter, bool] = self.__dict__.setdefault("_toggled", {})
+        for param in self.parameters():
+            toggled.setdefault(param, param.requires_grad)
+            if id(param) not in own:
+                param.requires_grad = False
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        """Undo `toggle_optimizer`: every parameter's ``requires_grad`` is what it was before."""
+        toggled: dict[nn.Parameter, bool] = self.__dict__.get("_toggled", {})
+        for param, requires_grad in toggled.items():
+            param.requires_grad = requires_grad
+        toggled.clear()
+
+    @contextlib.contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        """`toggle_optimizer` for the block, `untoggle_optimizer` after it."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
 
     def clip_gradients(
         self,

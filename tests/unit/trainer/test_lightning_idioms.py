@@ -677,3 +677,29 @@ def test_hooks_that_cannot_take_embers_arguments_fail_at_the_start() -> None:
 
     with pytest.raises(TypeError, match="give it a default"):
         ember.Trainer(**QUIET).validate(NeedsIdx(), loader())
+
+
+def test_clip_gradients_in_a_manual_step_under_16_mixed() -> None:
+    class Clipped(Manual):
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt = self.optimizers()
+            x, y = batch
+            self.manual_backward(F.mse_loss(self.layer(x), y))
+            self.clip_gradients(opt, gradient_clip_val=10.0, gradient_clip_algorithm="value")  # unscales first
+            self.max_grad = max(p.grad.abs().max() for p in self.parameters())
+            opt.step()  # does not unscale a second time (GradScaler would raise)
+            opt.zero_grad()
+
+    module = Clipped()
+    ember.Trainer(max_epochs=1, precision="16-mixed", **QUIET).fit(module, loader())
+    assert 1e-2 < module.max_grad <= 10.0  # clipped in the unscaled space: scaled gradients are ~65536x larger
+
+
+def test_toggle_optimizer_trains_only_that_optimizers_parameters() -> None:
+    module = Reg()
+    module.other = nn.Linear(3, 1)
+    opt = torch.optim.SGD(module.layer.parameters(), lr=0.1)
+    module.other.bias.requires_grad = False  # a frozen parameter stays frozen after untoggle
+    with module.toggled_optimizer(opt):
+        assert [p.requires_grad for p in module.parameters()] == [True, True, False, False]
+    assert [p.requires_grad for p in module.parameters()] == [True, True, True, False]
