@@ -106,6 +106,21 @@ class TrainingModule(nn.Module):
         return param.device if param is not None else torch.device("cpu")
 
     @property
+    def logger(self) -> Any:
+        """The trainer's first logger (``self.logger.experiment`` is the back end's own object), or None."""
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def loggers(self) -> list[Any]:
+        """The trainer's loggers (empty outside a trainer, and on processes other than 0)."""
+        return list(self._trainer.loggers) if self._trainer is not None else []
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on process 0 only (every process prints outside a trainer)."""
+        if self._trainer is None or self._trainer.is_global_zero:
+            print(*args, **kwargs)
+
+    @property
     def global_step(self) -> int:
         """Number of optimizer steps taken so far (0 outside a trainer)."""
         return self._trainer.global_step if self._trainer is not None else 0

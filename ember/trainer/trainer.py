@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from ember.tuning.profiler import Profiler, ProfilerConfig
 
 _NO_PLAN = EpochPlan(0, 1, float("inf"))
+#: Lightning's names for trainer attributes that ember calls otherwise (the error names ember's).
+_LIGHTNING_NAMES = {"lightning_module": "module", "lightning_optimizers": "optimizers"}
 
 
 class Trainer:
@@ -131,6 +133,8 @@ class Trainer:
         """Options read as attributes: ``trainer.max_epochs`` is ``trainer.options.max_epochs``."""
         if name in options.NAMES and "options" in self.__dict__:
             return getattr(self.options, name)
+        if name in _LIGHTNING_NAMES:
+            raise AttributeError(f"Trainer has no {name!r}; in ember it is trainer.{_LIGHTNING_NAMES[name]}")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # --- public state ---------------------------------------------------------
@@ -276,6 +280,12 @@ class Trainer:
     def callbacks(self) -> list[Callback]:
         """All callbacks of the current run: the user's plus the defaults ember added."""
         return self.hooks.callbacks
+
+    @property
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
+        """The first `ModelCheckpoint` of the current run, or None."""
+        found = self.checkpoint_callbacks
+        return found[0] if found else None
 
     @property
     def checkpoint_callbacks(self) -> list[ModelCheckpoint]:

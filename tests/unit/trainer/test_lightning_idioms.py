@@ -703,3 +703,21 @@ def test_toggle_optimizer_trains_only_that_optimizers_parameters() -> None:
     with module.toggled_optimizer(opt):
         assert [p.requires_grad for p in module.parameters()] == [True, True, False, False]
     assert [p.requires_grad for p in module.parameters()] == [True, True, True, False]
+
+
+def test_module_logger_print_and_trainer_checkpoint_callback(capsys: pytest.CaptureFixture[str]) -> None:
+    recording = Recording()
+    seen: list[Any] = []
+
+    class Talks(Reg):
+        def on_fit_start(self) -> None:
+            seen.extend([self.logger, self.loggers])
+            self.print("hello from process 0")
+
+    trainer = ember.Trainer(max_epochs=1, **{**QUIET, "logger": recording, "enable_checkpointing": True})
+    trainer.fit(Talks(), loader())
+    assert seen == [recording, [recording]]
+    assert "hello from process 0" in capsys.readouterr().out
+    assert isinstance(trainer.checkpoint_callback, ModelCheckpoint)
+    with pytest.raises(AttributeError, match=r"trainer\.module"):
+        trainer.lightning_module  # noqa: B018
