@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import HOOK_NAMES, Callback
-from ember.callbacks.lightning_hooks import explain
+from ember.callbacks.lightning_hooks import MODULE_METHODS, explain
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -38,6 +38,8 @@ def check_hook_names(obj: object, base: type) -> None:
         if klass is base or not issubclass(klass, base):
             continue
         for name, value in vars(klass).items():
+            if name in MODULE_METHODS and base is not Callback and callable(value):
+                raise AttributeError(explain(klass.__qualname__, name, is_callback=False))
             if name.startswith("on_") and callable(value) and name not in valid:
                 lightning = explain(klass.__qualname__, name, is_callback=base is Callback)
                 if lightning is not None:

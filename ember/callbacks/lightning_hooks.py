@@ -59,6 +59,39 @@ LIGHTNING_ONLY: dict[str, tuple[str, str]] = {
     "on_predict_dataloader": ("Lightning 1.x called it before predict_dataloader()", "use predict_dataloader()"),
 }
 
+#: LightningModule methods (not ``on_*``) that Lightning calls and ember does not: a module defining one is refused.
+MODULE_METHODS: dict[str, tuple[str, str]] = {
+    "optimizer_step": (
+        "Lightning calls it to step the optimizer, and an override changes how",
+        "ember's step is not overridable: use on_before_optimizer_step, or manual optimization "
+        "(automatic_optimization = False) to step yourself",
+    ),
+    "optimizer_zero_grad": (
+        "Lightning calls it to clear gradients",
+        "use on_before_zero_grad, or manual optimization to clear them yourself",
+    ),
+    "backward": (
+        "Lightning calls it to run loss.backward()",
+        "use on_before_backward / on_after_backward, or manual optimization with self.manual_backward",
+    ),
+    "lr_scheduler_step": (
+        "Lightning calls it to step a scheduler that is not a torch.optim scheduler",
+        "return torch.optim.lr_scheduler schedulers, or step yours in a hook (e.g. on_train_epoch_end)",
+    ),
+    "configure_gradient_clipping": (
+        "Lightning calls it to clip gradients before each optimizer step",
+        "use Trainer(gradient_clip_val=...), or clip in on_before_optimizer_step",
+    ),
+    "configure_callbacks": (
+        "Lightning adds the callbacks it returns to the Trainer's",
+        "pass them to Trainer(callbacks=[...])",
+    ),
+    "configure_sharded_model": (
+        "Lightning 1.x called it to build layers for sharded training (renamed configure_model in 2.0)",
+        "rename it configure_model",
+    ),
+}
+
 #: Hooks Lightning calls on the module (or DataModule) only; a callback defining one gets this hint.
 MODULE_ONLY = (
     "on_before_batch_transfer",
@@ -73,8 +106,8 @@ MODULE_ONLY = (
 
 def explain(owner: str, name: str, is_callback: bool) -> str | None:
     """The error for `owner`.`name` when it is a Lightning hook ember does not call there; None otherwise."""
-    if name in LIGHTNING_ONLY:
-        meaning, instead = LIGHTNING_ONLY[name]
+    if name in LIGHTNING_ONLY or (not is_callback and name in MODULE_METHODS):
+        meaning, instead = LIGHTNING_ONLY.get(name) or MODULE_METHODS[name]
         return f"{owner}.{name} is a Lightning hook that ember does not call ({meaning}); {instead}"
     if is_callback and name in MODULE_ONLY:
         return (

@@ -721,3 +721,45 @@ def test_module_logger_print_and_trainer_checkpoint_callback(capsys: pytest.Capt
     assert isinstance(trainer.checkpoint_callback, ModelCheckpoint)
     with pytest.raises(AttributeError, match=r"trainer\.module"):
         trainer.lightning_module  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("optimizer_step", "on_before_optimizer_step"),
+        ("backward", "manual_backward"),
+        ("configure_gradient_clipping", "gradient_clip_val"),
+        ("configure_callbacks", r"Trainer\(callbacks="),
+        ("lr_scheduler_step", "torch.optim.lr_scheduler"),
+    ],
+)
+def test_lightning_module_methods_ember_does_not_call_are_refused(name: str, message: str) -> None:
+    module_class = type("Old", (Reg,), {name: lambda self, *args: None})
+    with pytest.raises(AttributeError, match=message):
+        ember.Trainer(max_epochs=1, **QUIET).fit(module_class(), loader())
+
+
+def test_configure_model_builds_layers_once_before_the_optimizers() -> None:
+    class Late(ember.TrainingModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.built = 0
+            self.layer: nn.Module | None = None
+
+        def configure_model(self) -> None:
+            self.built += 1
+            if self.layer is None:
+                self.layer = nn.Linear(3, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            assert self.layer is not None
+            return F.mse_loss(self.layer(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Late()
+    trainer = ember.Trainer(max_epochs=1, **QUIET)
+    trainer.fit(module, loader())
+    trainer.fit(module, loader())
+    assert module.built == 1 and trainer.global_step == 3
