@@ -315,6 +315,8 @@ class Trainer:
         """
         train_dataloaders, datamodule = _split_datamodule("fit", train_dataloaders, datamodule)
         _check_not_datamodule("fit", "val_dataloaders", val_dataloaders)
+        if val_dataloaders is not None and datamodule is not None:
+            raise ValueError("fit: pass val_dataloaders or a datamodule, not both (the datamodule brings its own)")
         as_list(train_dataloaders), as_list(val_dataloaders)  # a wrong kind of data fails here, before any hook
         _check_ckpt_path("fit", ckpt_path)
         check_fit(self, module)

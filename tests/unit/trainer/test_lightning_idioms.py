@@ -306,6 +306,10 @@ def test_wrong_arguments_fail_at_the_call_before_any_hook() -> None:
         trainer.fit(Reg(), loader(), DM())
     with pytest.raises(TypeError, match="DataLoader"):
         trainer.fit(Reg(), 5)
+    with pytest.raises(ValueError, match="not both"):
+        trainer.fit(Reg(), DM(), loader())  # as in Lightning: the datamodule brings its own loaders
+    with pytest.raises(ValueError, match="not both"):
+        trainer.validate(Reg(), loader(), datamodule=DM())
     assert recorder.calls == []
 
 
