@@ -113,10 +113,11 @@ def start(trainer: Trainer, stage: stages.Stage, module: TrainingModule, datamod
     if asked), compile it if asked, catch preemption signals, call ``setup``."""
     state, options = trainer.run_state, trainer.options
     prepare_data(trainer, module, datamodule)
-    if options.sync_batchnorm and trainer.world_size > 1:
+    if options.sync_batchnorm and trainer.world_size > 1 and not module.__dict__.get("_ember_sync_batchnorm"):
         if trainer.strategy.root_device.type == "cpu":
             raise ValueError("sync_batchnorm=True: torch's SyncBatchNorm runs on GPUs only; drop it for CPU processes")
         nn.SyncBatchNorm.convert_sync_batchnorm(module)  # in place: the module's children are replaced
+        module.__dict__["_ember_sync_batchnorm"] = True  # once: a later run keeps the converted layers
     if options.benchmark is not None:
         torch.backends.cudnn.benchmark = options.benchmark
     state.model = trainer.strategy.setup_module(module)
