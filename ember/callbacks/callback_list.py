@@ -9,10 +9,12 @@ each call site in the loops reads like a normal method call.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import HOOK_NAMES, Callback
+from ember.callbacks.lightning_hooks import MODULE_METHODS, explain
 from ember.hints import did_you_mean
 
 if TYPE_CHECKING:
@@ -27,17 +29,59 @@ def check_hook_names(obj: object, base: type) -> None:
     """Raise if `obj`'s class defines an ``on_*`` method that is not a hook.
 
     Only methods defined below `base` in the MRO are checked, so the framework's
-    own classes never trip it.
+    own classes never trip it. The hooks are `HOOK_NAMES` plus the ``on_*`` methods `base` itself
+    defines (the module's batch-transfer and evaluation-mode hooks). A Lightning hook that ember does not
+    call gets an error naming what it meant in Lightning and the ember way.
     """
+    valid = {*HOOK_NAMES, *(name for name in vars(base) if name.startswith("on_"))}
     for klass in type(obj).__mro__:
         if klass is base or not issubclass(klass, base):
             continue
         for name, value in vars(klass).items():
-            if name.startswith("on_") and callable(value) and name not in HOOK_NAMES:
-                hint = did_you_mean(name, HOOK_NAMES, "see docs/hooks.md for the list of hooks.")
+            if name in MODULE_METHODS and base is not Callback and callable(value):
+                raise AttributeError(explain(klass.__qualname__, name, is_callback=False))
+            if name.startswith("on_") and callable(value) and name not in valid:
+                lightning = explain(klass.__qualname__, name, is_callback=base is Callback)
+                if lightning is not None:
+                    raise AttributeError(lightning)
+                hint = did_you_mean(name, sorted(valid), "see docs/hooks.md for the list of hooks.")
                 raise AttributeError(
                     f"{klass.__qualname__}.{name} is not an ember hook and would never be called; {hint}"
                 )
+
+
+def check_hook_signature(owner: str, name: str, fn: Callable[..., Any]) -> None:
+    """Raise if `fn` (a module's hook, or a callback's bound to trainer and module) cannot take the arguments
+    ember passes to hook `name`. Evaluation batch hooks get ``dataloader_idx`` only with several dataloaders."""
+    expected = _HOOK_ARGS[name]
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return
+    batch_eval = name.endswith("_batch_start") or name.endswith("_batch_end")
+    arity = len(expected) - 1 if batch_eval and not name.startswith("on_train") else len(expected)
+    try:
+        signature.bind(*range(arity))
+    except TypeError:
+        wanted = ", ".join(expected[:arity])
+        extra = ""
+        if arity < len(expected):
+            extra = f" ({expected[-1]} is passed only with several dataloaders, as in Lightning 2: give it a default)"
+        elif name == "on_train_batch_end" or name == "on_train_batch_start":
+            extra = " (Lightning 2 dropped dataloader_idx from the training batch hooks; so does ember)"
+        raise TypeError(f"{owner}.{name}{signature} cannot be called as {name}({wanted}){extra}") from None
+
+
+def _hook_args() -> dict[str, tuple[str, ...]]:
+    """Each hook's arguments after ``(trainer, module)``, read from `Callback`'s signatures."""
+    args = {}
+    for name in HOOK_NAMES:
+        params = list(inspect.signature(getattr(Callback, name)).parameters)[3:]  # self, trainer, module
+        args[name] = tuple(params)
+    return args
+
+
+_HOOK_ARGS = _hook_args()
 
 
 def _overrides(obj: object, base: type, name: str) -> bool:
@@ -73,11 +117,11 @@ class CallbackList:
             fns: list[Callable[..., Any]] = []
             if _overrides(module, TrainingModule, name):
                 fns.append(getattr(module, name))
-            fns.extend(
-                functools.partial(getattr(cb, name), trainer, module)
-                for cb in callbacks
-                if _overrides(cb, Callback, name)
-            )
+                check_hook_signature(type(module).__qualname__, name, fns[-1])
+            for cb in callbacks:
+                if _overrides(cb, Callback, name):
+                    fns.append(functools.partial(getattr(cb, name), trainer, module))
+                    check_hook_signature(type(cb).__qualname__, name, fns[-1])
             self._table[name] = fns
 
     def instrument(self, wrap: Callable[[str, Any, Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -170,11 +214,13 @@ class CallbackList:
     def on_eval_epoch_end(self, stage: str) -> None:
         self._call(f"on_{stage}_epoch_end")
 
-    def on_eval_batch_start(self, stage: str, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
-        self._call(f"on_{stage}_batch_start", batch, batch_idx, dataloader_idx)
+    # ``dataloader_idx`` is passed only when the evaluation has several dataloaders, as in Lightning: a hook
+    # written as ``on_validation_batch_end(self, outputs, batch, batch_idx)`` works with one.
+    def on_eval_batch_start(self, stage: str, batch: Any, batch_idx: int, *dataloader_idx: int) -> None:
+        self._call(f"on_{stage}_batch_start", batch, batch_idx, *dataloader_idx)
 
-    def on_eval_batch_end(self, stage: str, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
-        self._call(f"on_{stage}_batch_end", outputs, batch, batch_idx, dataloader_idx)
+    def on_eval_batch_end(self, stage: str, outputs: Any, batch: Any, batch_idx: int, *dataloader_idx: int) -> None:
+        self._call(f"on_{stage}_batch_end", outputs, batch, batch_idx, *dataloader_idx)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._call("on_save_checkpoint", checkpoint)

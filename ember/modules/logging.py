@@ -15,6 +15,10 @@ import torch
 from torch import Tensor
 
 REDUCE_FX = ("mean", "sum", "max", "min")
+#: The callables ``reduce_fx`` may name (Lightning accepts the same four reductions as functions).
+_REDUCE_CALLABLES: dict[Any, str] = {
+    torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min", sum: "sum", max: "max", min: "min",
+}  # fmt: skip
 DATALOADER_SUFFIX = "/dataloader_idx_"
 
 ReduceFn = Callable[[Tensor, str], Tensor]
@@ -54,6 +58,7 @@ class _Entry:
     prog_bar: bool
     reduce_fx: str
     sync_dist: bool
+    logger: bool = True
     metric: Any = None  # a torchmetrics.Metric when one was logged
     total: Tensor | None = None
     weight: int = 0
@@ -109,6 +114,8 @@ class MetricCollector:
     current_batch: Any = None
     step_values: dict[str, Tensor] = field(default_factory=dict)
     prog_bar_names: set[str] = field(default_factory=set)
+    #: Names logged with ``logger=False``: shown in the progress bar and callback metrics, never sent to loggers.
+    not_for_loggers: set[str] = field(default_factory=set)
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _batch_size: int = 1
     _sized_batch: Any = None
@@ -125,53 +132,70 @@ class MetricCollector:
         self,
         name: str,
         value: Any,
-        on_step: bool | None,
-        on_epoch: bool | None,
-        prog_bar: bool,
-        reduce_fx: str,
-        sync_dist: bool,
-        batch_size: int | None,
+        prog_bar: bool = False,
+        logger: bool | None = None,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: str | Callable[..., Any] = "mean",
+        enable_graph: bool = False,
+        sync_dist: bool = False,
+        add_dataloader_idx: bool = True,
+        batch_size: int | None = None,
     ) -> None:
         """Record `value` under `name` (the arguments of `TrainingModule.log`, in its order)."""
         if on_step is None:
             on_step = self.stage == "train"
         if on_epoch is None:
             on_epoch = self.stage != "train"
-        key = name + self.suffix
+        suffix = self.suffix if add_dataloader_idx else ""
+        key = name + suffix
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._new_entry(name, key, on_step, on_epoch, prog_bar, reduce_fx, sync_dist)
+            entry = self._new_entry(name, key, suffix, on_step, on_epoch, prog_bar, logger, reduce_fx, sync_dist)
         if type(value) is Tensor and value.ndim == 0:  # the common case: a scalar tensor, nothing to check
             tensor = value
         elif not isinstance(value, Tensor) and _is_metric(value):
             entry.metric = value
             step_value = value._forward_cache if on_step else None
             if isinstance(step_value, Tensor) and step_value.ndim == 0:
-                self._set_step(key, step_value, on_epoch)
+                self._set_step(key, suffix, step_value, on_epoch)
             return
         else:
             tensor = _as_scalar_tensor(name, value)
         if on_step:
-            self._set_step(key, tensor.detach(), on_epoch)
+            self._set_step(key, suffix, tensor if enable_graph else tensor.detach(), on_epoch)
         if on_epoch:
             if batch_size is None:
                 batch_size = self._current_batch_size()
             entry.accumulate(tensor, batch_size)
 
     def _new_entry(
-        self, name: str, key: str, on_step: bool, on_epoch: bool, prog_bar: bool, reduce_fx: str, sync_dist: bool
+        self,
+        name: str,
+        key: str,
+        suffix: str,
+        on_step: bool,
+        on_epoch: bool,
+        prog_bar: bool,
+        logger: bool | None,
+        reduce_fx: str | Callable[..., Any],
+        sync_dist: bool,
     ) -> _Entry:
-        if reduce_fx not in REDUCE_FX:
-            raise ValueError(f"self.log({name!r}): reduce_fx={reduce_fx!r} is not one of {REDUCE_FX}")
-        entry = self._entries[key] = _Entry(on_step, on_epoch, prog_bar, reduce_fx, sync_dist)
+        if not on_step and not on_epoch:
+            raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) records nothing; set one of them")
+        fx = _reduce_name(name, reduce_fx)
+        entry = self._entries[key] = _Entry(on_step, on_epoch, prog_bar, fx, sync_dist, logger is not False)
+        names = (
+            [_insert_before_suffix(key, tag, suffix) for tag in ("_step", "_epoch")] if on_step and on_epoch else [key]
+        )
         if prog_bar:
-            both = on_step and on_epoch
-            for tag in ("_step", "_epoch") if both else ("",):
-                self.prog_bar_names.add(_insert_before_suffix(key, tag, self.suffix))
+            self.prog_bar_names.update(names)
+        if logger is False:
+            self.not_for_loggers.update(names)
         return entry
 
-    def _set_step(self, key: str, value: Tensor, also_epoch: bool) -> None:
-        self.step_values[_insert_before_suffix(key, "_step", self.suffix) if also_epoch else key] = value
+    def _set_step(self, key: str, suffix: str, value: Tensor, also_epoch: bool) -> None:
+        self.step_values[_insert_before_suffix(key, "_step", suffix) if also_epoch else key] = value
 
     def _current_batch_size(self) -> int:
         batch = self.current_batch
@@ -190,6 +214,7 @@ class MetricCollector:
                     "prog_bar": e.prog_bar,
                     "reduce_fx": e.reduce_fx,
                     "sync_dist": e.sync_dist,
+                    "logger": e.logger,
                     "total": e.total,
                     "weight": e.weight,
                 }
@@ -199,12 +224,13 @@ class MetricCollector:
         self.stage = state["stage"]
         self._entries = {key: _Entry(**fields) for key, fields in state["entries"].items()}
         self.step_values = dict(state["step_values"])
-        self.prog_bar_names.update(
-            _insert_before_suffix(k, tag, _suffix_of(k))
-            for k, e in self._entries.items()
-            if e.prog_bar
-            for tag in (("_step", "_epoch") if e.on_step and e.on_epoch else ("",))
-        )
+        for k, e in self._entries.items():
+            tags = ("_step", "_epoch") if e.on_step and e.on_epoch else ("",)
+            names = {_insert_before_suffix(k, tag, _suffix_of(k)) for tag in tags}
+            if e.prog_bar:
+                self.prog_bar_names.update(names)
+            if not e.logger:
+                self.not_for_loggers.update(names)
 
     def epoch_values(self) -> dict[str, Tensor]:
         """Aggregate every on_epoch entry; metrics are computed and reset."""
@@ -221,6 +247,18 @@ class MetricCollector:
         # Computed entries are done: a later call (or a later log of the name) starts afresh.
         self._entries = {k: e for k, e in self._entries.items() if not e.on_epoch}
         return out
+
+
+def _reduce_name(name: str, reduce_fx: Any) -> str:
+    """``reduce_fx`` as one of `REDUCE_FX`: a name (``"avg"`` is ``"mean"``) or ``torch.mean``, ``torch.sum``, ..."""
+    fx = reduce_fx.lower() if isinstance(reduce_fx, str) else _REDUCE_CALLABLES.get(reduce_fx, reduce_fx)
+    fx = "mean" if fx == "avg" else fx
+    if fx not in REDUCE_FX:
+        raise ValueError(
+            f"self.log({name!r}): reduce_fx={reduce_fx!r} is not supported; use one of {REDUCE_FX} (or torch.mean, "
+            "torch.sum, torch.max, torch.min). For another reduction, log a torchmetrics.Metric that computes it."
+        )
+    return str(fx)
 
 
 def _suffix_of(key: str) -> str:

@@ -13,11 +13,12 @@ A module may also define any hook of `ember.Callback`, without the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -103,6 +104,21 @@ class TrainingModule(nn.Module):
             return self._trainer.strategy.root_device
         param = next(self.parameters(), None)
         return param.device if param is not None else torch.device("cpu")
+
+    @property
+    def logger(self) -> Any:
+        """The trainer's first logger (``self.logger.experiment`` is the back end's own object), or None."""
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def loggers(self) -> list[Any]:
+        """The trainer's loggers (empty outside a trainer, and on processes other than 0)."""
+        return list(self._trainer.loggers) if self._trainer is not None else []
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on process 0 only (every process prints outside a trainer)."""
+        if self._trainer is None or self._trainer.is_global_zero:
+            print(*args, **kwargs)
 
     @property
     def global_step(self) -> int:
@@ -196,22 +212,35 @@ class TrainingModule(nn.Module):
         self,
         name: str,
         value: Any,
+        prog_bar: bool = False,
+        logger: bool | None = None,
         on_step: bool | None = None,
         on_epoch: bool | None = None,
-        prog_bar: bool = False,
+        reduce_fx: str | Callable[..., Any] = "mean",
+        enable_graph: bool = False,
         sync_dist: bool = False,
-        reduce_fx: str = "mean",
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
         batch_size: int | None = None,
+        metric_attribute: str | None = None,
+        rank_zero_only: bool = False,
     ) -> None:
         """Record a value: a number, a scalar tensor or a torchmetrics `Metric`.
 
-        Training steps default to ``on_step=True, on_epoch=False``; validation
-        and test steps to ``on_step=False, on_epoch=True``. Epoch values are
-        means weighted by batch size (taken from the batch, or ``batch_size``)
-        unless ``reduce_fx`` is "sum", "max" or "min". A `Metric` is computed
-        and reset at epoch end. When both ``on_step`` and ``on_epoch`` are set
-        the values appear as ``name_step`` and ``name_epoch``. Values stay
-        tensors; nothing here waits for the device.
+        The parameters are Lightning's, in Lightning's order. Training steps default to
+        ``on_step=True, on_epoch=False``; validation and test steps to ``on_step=False, on_epoch=True``.
+        Epoch values are means weighted by batch size (taken from the batch, or ``batch_size``) unless
+        ``reduce_fx`` is "sum", "max" or "min" (or ``torch.sum``, ``torch.max``, ``torch.min``). A `Metric`
+        is computed and reset at epoch end. When both ``on_step`` and ``on_epoch`` are set the values appear
+        as ``name_step`` and ``name_epoch``. ``prog_bar`` shows the value in the progress bar;
+        ``logger=False`` keeps it out of the loggers (it stays in ``trainer.callback_metrics``).
+        ``sync_dist`` reduces epoch values over all processes. ``enable_graph`` keeps the step value attached
+        to the autograd graph. ``add_dataloader_idx=False`` drops the ``/dataloader_idx_N`` suffix of
+        evaluation with several dataloaders (names must then differ). ``rank_zero_only=True`` says the call
+        happens on process 0 only: other processes ignore it (it cannot be synced). ``metric_attribute`` is
+        accepted for Lightning code and not needed: a `Metric` logged here is found without it.
+        ``sync_dist_group`` is not supported (ember syncs over every process). Values stay tensors;
+        nothing here waits for the device.
         """
         trainer = self._trainer
         if trainer is None:
@@ -219,12 +248,28 @@ class TrainingModule(nn.Module):
                 warnings.warn(f"self.log({name!r}) outside a Trainer is ignored", RuntimeWarning, stacklevel=2)
                 self._warned_no_trainer = True
             return
-        trainer.reporter.collector.log(name, value, on_step, on_epoch, prog_bar, reduce_fx, sync_dist, batch_size)
+        if sync_dist_group is not None or rank_zero_only:
+            if sync_dist_group is not None:
+                raise ValueError(
+                    f"self.log({name!r}, sync_dist_group=...): ember syncs logged values over every process; "
+                    "drop sync_dist_group, or log a torchmetrics.Metric built with process_group=..."
+                )
+            if sync_dist:
+                raise ValueError(
+                    f"self.log({name!r}, rank_zero_only=True, sync_dist=True): a value logged on process 0 only "
+                    "cannot be synced across processes; drop one of them"
+                )
+            if not trainer.is_global_zero:
+                return
+        trainer.reporter.collector.log(
+            name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph, sync_dist, add_dataloader_idx,
+            batch_size,
+        )  # fmt: skip
 
-    def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:
-        """Call `log` for every item of `values` with the same options."""
+    def log_dict(self, values: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
+        """Call `log` for every item of `values` with the same options (positional ones in `log`'s order)."""
         for name, value in values.items():
-            self.log(name, value, **kwargs)
+            self.log(name, value, *args, **kwargs)
 
     # --- the model ----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -335,6 +380,96 @@ class TrainingModule(nn.Module):
         if self._manual_backward_fn is None:
             raise RuntimeError("manual_backward() is available inside fit only")
         self._manual_backward_fn(loss)
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Train only `optimizer`'s parameters until `untoggle_optimizer` (Lightning's call, for GANs).
+
+        Every other parameter of the module gets ``requires_grad=False``, so a backward through, e.g., the
+        discriminator while training the generator leaves the discriminator's gradients alone.
+        """
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # a ManualOptimizer wraps the torch one
+        own = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        toggled: dict[nn.Parameter, bool] = self.__dict__.setdefault("_toggled", {})
+        for param in self.parameters():
+            toggled.setdefault(param, param.requires_grad)
+            if id(param) not in own:
+                param.requires_grad = False
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        """Undo `toggle_optimizer`: every parameter's ``requires_grad`` is what it was before."""
+        toggled: dict[nn.Parameter, bool] = self.__dict__.get("_toggled", {})
+        for param, requires_grad in toggled.items():
+            param.requires_grad = requires_grad
+        toggled.clear()
+
+    @contextlib.contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        """`toggle_optimizer` for the block, `untoggle_optimizer` after it."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
+
+    def clip_gradients(
+        self,
+        optimizer: Any,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip the gradients of `optimizer`'s parameters, for manual optimization (Lightning's call).
+
+        Call it between ``manual_backward`` and ``opt.step()``. Gradients are unscaled first under
+        "16-mixed". ``gradient_clip_algorithm`` is "norm" (default) or "value"; None or 0 clips nothing.
+        """
+        trainer = self.trainer
+        if not gradient_clip_val:
+            return
+        algorithm = gradient_clip_algorithm or "norm"
+        if algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={algorithm!r}; choose 'norm' or 'value'")
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # a ManualOptimizer wraps the torch one
+        trainer.strategy.precision.unscale_gradients(optimizer)
+        trainer.strategy.clip_gradients(trainer.model, optimizer, gradient_clip_val, algorithm)
+
+    # --- data hooks (Lightning's names; a DataModule may define the same ones, and its own win) -------------
+    def prepare_data(self) -> None:
+        """Download or write data once per node (local rank 0), before ``setup``; do not set state here."""
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Change a batch before it is moved to the device (runs on the CPU); return the batch."""
+        return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Move a batch to `device`; the default moves every tensor in nested lists, tuples and dicts."""
+        from ember.strategies.strategy import move_to_device
+
+        return move_to_device(batch, device)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Change a batch after it reached the device (e.g. GPU augmentation); return the batch."""
+        return batch
+
+    # --- evaluation mode (Lightning's hooks) ------------------------------------------------------
+    def on_validation_model_eval(self) -> None:
+        """Put the module in eval mode before validation (override to keep, e.g., dropout on)."""
+        self.eval()
+
+    def on_validation_model_train(self) -> None:
+        """After validation; when overridden it replaces ember's restoring of every submodule's mode."""
+        self.train()
+
+    def on_test_model_eval(self) -> None:
+        """Put the module in eval mode before testing."""
+        self.eval()
+
+    def on_test_model_train(self) -> None:
+        """After testing; when overridden it replaces ember's restoring of every submodule's mode."""
+        self.train()
+
+    def on_predict_model_eval(self) -> None:
+        """Put the module in eval mode before predicting."""
+        self.eval()
 
     # --- export ---------------------------------------------------------------------------
     # Each is an `ember.export` function with this module as its first argument (one signature, kept

@@ -1,26 +1,32 @@
 """Turn what `configure_optimizers` returns into optimizers plus scheduler configs.
 
-Accepted forms:
+Accepted forms (Lightning's):
 
 - an optimizer, or a list/tuple of optimizers;
-- a dict ``{"optimizer": opt, "lr_scheduler": sched_or_dict}``, or a list of such dicts;
-- a scheduler dict ``{"scheduler": s, "interval": "step"|"epoch", "frequency": 1, "monitor": "val/loss"}``.
+- two lists ``([opt, ...], [sched_or_dict, ...])``;
+- a dict ``{"optimizer": opt, "lr_scheduler": sched_or_dict, "monitor": "val/loss"}`` (``monitor`` is
+  the metric a bare `ReduceLROnPlateau` watches), or a list of such dicts;
+- a scheduler dict ``{"scheduler": s, "interval": "step"|"epoch", "frequency": 1, "monitor": "val/loss"}``;
+- ``None``: no optimizer. Training steps still run forward and backward; nothing is updated (`NoOptimizer`).
 
 `ReduceLROnPlateau` needs ``monitor``; every other scheduler steps without arguments.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from ember.hints import did_you_mean
 
-_OPTIMIZER_KEYS = ("optimizer", "lr_scheduler")
+_OPTIMIZER_KEYS = ("optimizer", "lr_scheduler", "monitor")
 _SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "monitor", "strict", "name")
 
 
@@ -53,14 +59,15 @@ def _check_keys(where: str, given: Mapping[str, Any], valid: Sequence[str]) -> N
             raise ValueError(f"configure_optimizers: unknown key {key!r} in the {where} dict; {hint}")
 
 
-def _parse_scheduler(value: Any) -> SchedulerConfig:
+def _parse_scheduler(value: Any, monitor: str | None = None) -> SchedulerConfig:
     if isinstance(value, Mapping):
         _check_keys("lr_scheduler", value, _SCHEDULER_KEYS)
         if "scheduler" not in value:
             raise ValueError("configure_optimizers: the lr_scheduler dict needs a 'scheduler' entry")
         config = SchedulerConfig(**value)
+        config.monitor = config.monitor or monitor
     else:
-        config = SchedulerConfig(scheduler=value)
+        config = SchedulerConfig(scheduler=value, monitor=monitor)
     if not isinstance(config.scheduler, (LRScheduler, ReduceLROnPlateau)):
         raise TypeError(
             f"configure_optimizers: expected a torch.optim.lr_scheduler scheduler, "
@@ -73,16 +80,51 @@ def _parse_scheduler(value: Any) -> SchedulerConfig:
     if config.needs_metric and not config.monitor:
         raise ValueError(
             "configure_optimizers: ReduceLROnPlateau needs a metric to watch; return "
+            '{"optimizer": opt, "lr_scheduler": sched, "monitor": "val/loss"} or '
             '{"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val/loss"}}'
         )
     return config
 
 
-def parse_optimizers(returned: Any) -> OptimizerSetup:
-    """Validate and normalise the value returned by `configure_optimizers`."""
+class NoOptimizer(Optimizer):
+    """The optimizer of a fit whose ``configure_optimizers`` returned None (as in Lightning).
+
+    ``step(closure)`` runs the closure and changes no parameter; ``zero_grad`` clears the module's
+    gradients, so the training steps' backward passes do not pile up.
+    """
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__(params or [torch.zeros(0, requires_grad=True)], {"lr": 0.0})
+
+    def step(self, closure: Any = None) -> Any:
+        """Run `closure` (forward and backward) and update nothing; returns the closure's loss."""
+        return closure() if closure is not None else None
+
+
+def parse_optimizers(returned: Any, parameters: list[nn.Parameter] | None = None) -> OptimizerSetup:
+    """Validate and normalise the value returned by `configure_optimizers`.
+
+    `parameters` (the module's) are what a `NoOptimizer` clears when ``configure_optimizers`` returned None.
+    """
+    if returned is None:
+        warnings.warn(
+            "configure_optimizers returned None: training runs forward and backward without an optimizer, "
+            "and no parameter changes",
+            UserWarning,
+            stacklevel=3,
+        )
+        return OptimizerSetup([NoOptimizer(list(parameters or []))], [])
+    if _is_two_lists(returned):
+        given_optimizers, given_schedulers = returned
+        scheduler_values = (
+            list(given_schedulers) if isinstance(given_schedulers, (list, tuple)) else [given_schedulers]
+        )
+        setup = parse_optimizers(list(given_optimizers))
+        setup.schedulers = [_parse_scheduler(value) for value in scheduler_values]
+        return setup
     items = list(returned) if isinstance(returned, (list, tuple)) else [returned]
     if not items:
-        raise ValueError("configure_optimizers returned an empty list; return at least one optimizer")
+        raise ValueError("configure_optimizers returned an empty list; return at least one optimizer, or None")
     optimizers: list[Optimizer] = []
     schedulers: list[SchedulerConfig] = []
     for item in items:
@@ -96,14 +138,24 @@ def parse_optimizers(returned: Any) -> OptimizerSetup:
                 )
             optimizers.append(item["optimizer"])
             if item.get("lr_scheduler") is not None:
-                schedulers.append(_parse_scheduler(item["lr_scheduler"]))
+                schedulers.append(_parse_scheduler(item["lr_scheduler"], item.get("monitor")))
         else:
             raise TypeError(
-                "configure_optimizers must return an optimizer, a list of optimizers, or "
-                '{"optimizer": ..., "lr_scheduler": ...} dicts; '
+                "configure_optimizers must return an optimizer, a list of optimizers, ([optimizers], [schedulers]), "
+                '{"optimizer": ..., "lr_scheduler": ..., "monitor": ...} dicts or None; '
                 f"got {type(item).__qualname__}"
             )
     return OptimizerSetup(optimizers, schedulers)
+
+
+def _is_two_lists(returned: Any) -> bool:
+    """Whether `returned` is Lightning's ``([optimizers], [schedulers])``."""
+    return (
+        isinstance(returned, (list, tuple))
+        and len(returned) == 2
+        and isinstance(returned[0], (list, tuple))
+        and all(isinstance(opt, Optimizer) for opt in returned[0])
+    )
 
 
 class ManualOptimizer:
@@ -117,9 +169,12 @@ class ManualOptimizer:
         self.optimizer = optimizer
         self._step_fn = step_fn
 
-    def step(self, closure: Any = None) -> None:
-        """Step the optimizer through the trainer; increments `global_step`."""
-        self._step_fn(self.optimizer, closure)
+    def step(self, closure: Any = None) -> Any:
+        """Step the optimizer through the trainer; increments `global_step`.
+
+        Returns what ``optimizer.step(closure)`` returns: the closure's loss when a closure is given.
+        """
+        return self._step_fn(self.optimizer, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

@@ -113,8 +113,15 @@ class MixedPrecision(Precision):
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
-        if self.scaler is not None:
+        """Unscale `optimizer`'s gradients once per step (a manual step's ``clip_gradients`` may have done it)."""
+        if self.scaler is not None and not self._unscaled(optimizer):
             self.scaler.unscale_(optimizer)
+
+    def _unscaled(self, optimizer: Optimizer) -> bool:
+        from torch.amp.grad_scaler import OptState
+
+        assert self.scaler is not None
+        return bool(self.scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED)
 
     def optimizer_step(self, optimizer: Optimizer, closure: Any = None) -> Any:
         if self.scaler is None:

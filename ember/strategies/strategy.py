@@ -36,6 +36,15 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def configure_model_once(module: nn.Module) -> None:
+    """Call ``module.configure_model()`` (the form without a device mesh) the first time the module is set up."""
+    from ember.strategies.model_parallel import hook_takes_mesh
+
+    if hook_takes_mesh(module) is False and not module.__dict__.get("_ember_model_configured", False):
+        module.configure_model()  # type: ignore[operator]
+        module.__dict__["_ember_model_configured"] = True
+
+
 def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module._call_impl(*args, **kwargs)
 
@@ -119,7 +128,11 @@ class Strategy:
 
     # --- setup --------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Move, cast (true precisions) and, in subclasses, wrap the module; returns what the loops call."""
+        """Move, cast (true precisions) and, in subclasses, wrap the module; returns what the loops call.
+
+        A module's ``configure_model()`` (Lightning's hook to build layers late) runs first, once per module.
+        """
+        configure_model_once(module)
         self.precision.setup(self.root_device)
         self.batches_stay_put = self.root_device.type == "cpu" and self.precision.cast_dtype is None
         return self.precision.convert_module(module.to(self.root_device))

@@ -5,12 +5,15 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch import Tensor
+
 from ember import stages
 from ember.modules.datamodule import DataModule
+from ember.seed import with_seeded_workers
 
 
 def check_limit(name: str, value: float | int) -> None:
@@ -96,22 +99,44 @@ def set_epoch(loader: Any, epoch: int) -> None:
 
 
 def as_list(loaders: Any) -> list[Any]:
+    """`loaders` as a list of dataloaders. A list of batches (``[(x, y), ...]``) is one dataloader."""
     if loaders is None:
         return []
     if isinstance(loaders, (list, tuple)):
+        if loaders and all(_is_batch(item) for item in loaders):
+            return [loaders]
+        for item in loaders:
+            if not isinstance(item, Iterable) or isinstance(item, (str, bytes)):
+                raise TypeError(
+                    f"expected a DataLoader (or any iterable of batches), a list of them, or a list of batches; "
+                    f"got a {type(loaders).__name__} holding a {type(item).__qualname__}"
+                )
         return list(loaders)
+    if not isinstance(loaders, Iterable) or isinstance(loaders, (str, bytes)):
+        raise TypeError(
+            f"expected a DataLoader (or any iterable of batches) or a list of them; got {type(loaders).__qualname__}"
+        )
     return [loaders]
 
 
-def resolve_loaders(stage: str, given: Any, datamodule: DataModule | None) -> list[Any]:
+def _is_batch(item: Any) -> bool:
+    """Whether `item` of a list passed as data is a batch (a tensor, a dict, a tuple) rather than a dataloader."""
+    if isinstance(item, (Tensor, Mapping, tuple)):
+        return True
+    return isinstance(item, list) and bool(item) and all(isinstance(x, Tensor) for x in item)
+
+
+def resolve_loaders(stage: str, given: Any, datamodule: DataModule | None, module: Any = None) -> list[Any]:
     """Dataloaders for the loop `stage` ("train", "validation", ...): passed directly, else from the
-    datamodule, else none."""
-    if given is not None:
-        return as_list(given)
-    prefix = stages.by_loop(stage).loader
-    if datamodule is not None and datamodule.has_dataloader(prefix):
-        return as_list(getattr(datamodule, f"{prefix}_dataloader")())
-    return []
+    datamodule, else from the module's own ``<stage>_dataloader()`` method (as in Lightning), else none."""
+    if given is None:
+        prefix = stages.by_loop(stage).loader
+        method = getattr(module, f"{prefix}_dataloader", None)
+        if datamodule is not None and datamodule.has_dataloader(prefix):
+            given = getattr(datamodule, f"{prefix}_dataloader")()
+        elif callable(method):
+            given = method()
+    return [with_seeded_workers(loader) for loader in as_list(given)]
 
 
 @dataclass(frozen=True)
@@ -169,3 +194,60 @@ def check_not_empty(stage: str, loaders: Sequence[Any]) -> None:
         if empty:
             which = f"{stage} dataloader" + (f" #{i}" if len(loaders) > 1 else "")
             raise ValueError(f"the {which} is empty (0 batches); check the dataset size, batch_size and drop_last")
+
+
+def unshuffled(loader: Any) -> Any:
+    """``overfit_batches``: `loader` rebuilt to read in order when it shuffles (the same few batches every epoch)."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    if not isinstance(loader, DataLoader) or not isinstance(loader.sampler, RandomSampler):
+        return loader
+    from ember.strategies.parallel import rebuilt_loader
+
+    warnings.warn(
+        "overfit_batches: the training DataLoader shuffles; ember reads it in order, so every epoch trains on the "
+        "same batches",
+        UserWarning,
+        stacklevel=3,
+    )
+    return rebuilt_loader(loader, shuffle=False)
+
+
+_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def batch_transfer(trainer: Any, module: Any, dataloader_idx: int = 0) -> Callable[[Any], Any] | None:
+    """The function that brings a batch of dataloader `dataloader_idx` to the device, or None when the batch
+    stays as it is (one CPU process, no cast, no transfer hook): decided once per loop, not per batch.
+
+    The batch-transfer hooks are Lightning's: ``on_before_batch_transfer``, ``transfer_batch_to_device``,
+    ``on_after_batch_transfer``, each taken from the datamodule when it overrides it, else from the module
+    when it does. Without a ``transfer_batch_to_device`` override the strategy moves (and casts) the batch.
+    """
+    from ember.modules.module import TrainingModule
+
+    strategy = trainer.strategy
+    found = [_override(trainer.datamodule, DataModule, name) or _override(module, TrainingModule, name)
+             for name in _TRANSFER_HOOKS]  # fmt: skip
+    before, transfer, after = found
+    if before is None and transfer is None and after is None:
+        return None if strategy.batches_stay_put else strategy.batch_to_device
+    device, convert = strategy.root_device, strategy.precision.convert_batch
+
+    def to_device(batch: Any) -> Any:
+        if before is not None:
+            batch = before(batch, dataloader_idx)
+        batch = (
+            strategy.batch_to_device(batch) if transfer is None else convert(transfer(batch, device, dataloader_idx))
+        )
+        return batch if after is None else after(batch, dataloader_idx)
+
+    return to_device
+
+
+def _override(obj: Any, base: type, name: str) -> Callable[..., Any] | None:
+    """``obj.name`` when `obj`'s class overrides `base`'s method, else None."""
+    if obj is None or getattr(type(obj), name, None) is getattr(base, name):
+        return None
+    method: Callable[..., Any] = getattr(obj, name)
+    return method

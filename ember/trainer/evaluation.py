@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember import stages
-from ember.trainer.data import limited
+from ember.trainer.data import batch_transfer, limited
 
 if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
@@ -40,6 +40,13 @@ def validate_in_fit(trainer: Trainer, module: TrainingModule, loaders: list[Any]
             sys.modules["numpy"].random.set_state(np_state)
 
 
+def overrides(module: TrainingModule, name: str) -> bool:
+    """Whether `module`'s class overrides TrainingModule's hook `name`."""
+    from ember.modules.module import TrainingModule
+
+    return getattr(type(module), name, None) is not getattr(TrainingModule, name, None)
+
+
 def _numpy_state() -> Any:
     np = sys.modules.get("numpy")  # only if the program uses numpy at all
     return np.random.get_state() if np is not None else None
@@ -59,26 +66,31 @@ def run_evaluation(
     step_fn = getattr(module, stages.by_loop(stage).step)
     trainer.num_eval_batches = list(limits)  # progress bars show n/total
     modes = [(m, m.training) for m in module.modules()]
-    module.eval()
+    getattr(module, f"on_{stage}_model_eval")()  # module.eval() unless the module overrides the hook
+    restore_hook = f"on_{stage}_model_train"
+    restore = getattr(module, restore_hook) if overrides(module, restore_hook) else None
     reporter.collector = collector
     try:  # an exception (a KeyboardInterrupt included) leaves the collector and the modes as they were
         collector.start_epoch(stage)
         predictions: list[list[Any]] = [[] for _ in loaders]
         hooks.on_eval_start(stage)
         hooks.on_eval_epoch_start(stage)
-        with torch.no_grad(), trainer.strategy.eval_context():
+        no_grad = torch.inference_mode() if trainer.options.inference_mode else torch.no_grad()
+        with no_grad, trainer.strategy.eval_context():
             for dl_idx, loader in enumerate(loaders):
-                extra = (dl_idx,) if len(loaders) > 1 else ()
+                extra = (dl_idx,) if len(loaders) > 1 else ()  # as in Lightning: only with several dataloaders
                 collector.suffix = f"/dataloader_idx_{dl_idx}" if extra else ""
+                to_device = batch_transfer(trainer, module, dl_idx)
                 for batch_idx, batch in enumerate(limited(loader, limits[dl_idx])):
-                    batch = trainer.strategy.batch_to_device(batch)
+                    if to_device is not None:
+                        batch = to_device(batch)
                     collector.current_batch = batch
-                    hooks.on_eval_batch_start(stage, batch, batch_idx, dl_idx)
+                    hooks.on_eval_batch_start(stage, batch, batch_idx, *extra)
                     with trainer.strategy.forward_context():
                         output = step_fn(batch, batch_idx, *extra)
                     if stage == "predict":
                         predictions[dl_idx].append(output)
-                    hooks.on_eval_batch_end(stage, output, batch, batch_idx, dl_idx)
+                    hooks.on_eval_batch_end(stage, output, batch, batch_idx, *extra)
         hooks.on_eval_epoch_end(stage)
         results = trainer.reporter.finish_eval(collector.epoch_values(), len(loaders))
         hooks.on_eval_end(stage)
@@ -86,6 +98,9 @@ def run_evaluation(
         collector.suffix = ""
         collector.current_batch = None
         reporter.collector = reporter.train_collector
-        for submodule, training in modes:
-            submodule.training = training
+        if restore is not None:
+            restore()
+        else:
+            for submodule, training in modes:
+                submodule.training = training
     return predictions if stage == "predict" else results

@@ -18,16 +18,25 @@ from typing import TYPE_CHECKING, Any
 from ember.trainer.checkpointing import at_boundary, save_stop_point
 from ember.trainer.data import (
     EpochPlan,
+    batch_transfer,
     check_not_empty,
     finish_epoch,
     loader_length,
     num_batches,
     resolve_loaders,
     set_epoch,
+    unshuffled,
 )
 from ember.trainer.data_position import open_rest_of_epoch, same_layout
 from ember.trainer.evaluation import validate_in_fit
-from ember.trainer.optimization import detached, optimizer_step, plain_step, run_training_batch, step_schedulers
+from ember.trainer.optimization import (
+    closure_training_batch,
+    detached,
+    optimizer_step,
+    plain_step,
+    run_training_batch,
+    step_schedulers,
+)
 from ember.trainer.resume import (
     capture_epoch_start,
     islice_from,
@@ -76,6 +85,8 @@ class FitLoop:
         self.progress = trainer.progress
         #: Whether the current accumulation window has gradients that no optimizer step has used yet.
         self.window_has_grads = False
+        #: Whether the optimizer evaluates the loss itself (``step(closure)``, e.g. LBFGS); set by `setup_optimizers`.
+        self.steps_with_closure = False
         #: True while epochs run (between ``on_train_start`` and ``on_train_end``): saves wait for a boundary.
         self.running = False
         self.clock = Clock(trainer.options.max_time_s)
@@ -85,36 +96,64 @@ class FitLoop:
         self.resume_state: dict[str, Any] | None = None
         #: Generator states the current epoch's DataLoader iterator drew from (for exact resume).
         self.epoch_start_state: dict[str, Any] | None = None
+        #: Where the loaders came from (given loaders, the datamodule): what `reload_loaders` asks again.
+        self.sources: tuple[Any, Any, Any] = (train_loader, val_loaders, None)
+        options = trainer.options
+        self.min_epochs, self.min_steps = options.min_epochs or 0, options.min_steps or 0
 
     @classmethod
     def build(cls, trainer: Trainer, module: TrainingModule, train: Any, val: Any, datamodule: Any) -> FitLoop:
-        """The loop of a fit: its loaders (given, or the datamodule's; distributed by the strategy), its epoch
-        plan and its validation sizes. Every process must train on the same number of batches."""
-        options, strategy = trainer.options, trainer.strategy
-        train_loaders = resolve_loaders("train", train, datamodule)
+        """The loop of a fit: its loaders (given, the datamodule's, or the module's; distributed by the strategy),
+        its epoch plan and its validation sizes. Every process must train on the same number of batches."""
+        options = trainer.options
+        train_loaders = resolve_loaders("train", train, datamodule, module)
         if not train_loaders:
-            raise ValueError("fit needs training data: pass train_dataloaders or a datamodule with train_dataloader()")
+            raise ValueError(
+                "fit needs training data: pass train_dataloaders, a datamodule with train_dataloader(), or define "
+                "train_dataloader() on the module"
+            )
         if len(train_loaders) > 1:
             raise ValueError("fit takes one training dataloader; combine datasets into one loader")
-        val_loaders = resolve_loaders("validation", val, datamodule)
-        check_not_empty("train", train_loaders)
+        train_loader = unshuffled(train_loaders[0]) if options.overfit_batches else train_loaders[0]
+        val_loaders = resolve_loaders("validation", val, datamodule, module)
+        loop = cls(trainer, module, train_loader, [], EpochPlan(0, 1, math.inf), [])
+        loop.sources = (train, val, datamodule)
+        loop.distribute(train_loader, val_loaders)
+        return loop
+
+    def distribute(self, train_loader: Any, val_loaders: list[Any]) -> None:
+        """Take these loaders (distributed by the strategy) and plan the epoch over them."""
+        options, strategy = self.trainer.options, self.trainer.strategy
+        check_not_empty("train", [train_loader])
         check_not_empty("validation", val_loaders)
-        train_loader = strategy.distribute_loader(train_loaders[0], training=True)
-        val_loaders = [strategy.distribute_loader(v, training=False) for v in val_loaders]
-        count = num_batches(train_loader, options.limit_train_batches, "limit_train_batches")
-        plan = EpochPlan.build(count, options.accumulate_grad_batches, options.val_check_interval)
-        strategy.check_same_batch_count(plan.num_batches)
-        num_val = [num_batches(v, options.limit_val_batches, "limit_val_batches") for v in val_loaders]
-        return cls(trainer, module, train_loader, val_loaders, plan, num_val)
+        self.train_loader = strategy.distribute_loader(train_loader, training=True)
+        self.val_loaders = [strategy.distribute_loader(v, training=False) for v in val_loaders]
+        count = num_batches(self.train_loader, options.limit_train_batches, "limit_train_batches")
+        self.plan = EpochPlan.build(count, options.accumulate_grad_batches, options.val_check_interval)
+        strategy.check_same_batch_count(self.plan.num_batches)
+        self.num_val_batches = [
+            num_batches(v, options.limit_val_batches, "limit_val_batches") for v in self.val_loaders
+        ]
+
+    def reload_loaders(self) -> None:
+        """``reload_dataloaders_every_n_epochs``: ask the datamodule (or the module) for fresh loaders."""
+        train, val, datamodule = self.sources
+        train_loaders = resolve_loaders("train", train, datamodule, self.module)
+        train_loader = unshuffled(train_loaders[0]) if self.trainer.options.overfit_batches else train_loaders[0]
+        self.distribute(train_loader, resolve_loaders("validation", val, datamodule, self.module))
 
     # --- stop conditions ---------------------------------------------------------------------
     def should_stop_in_epoch(self) -> bool:
         trainer = self.trainer
         return (
-            trainer.should_stop
+            (trainer.should_stop and self.can_stop_early())
             or 0 <= self.max_steps <= self.progress.global_step
             or (self.clock.max_time_s is not None and self.clock.expired())
         )
+
+    def can_stop_early(self) -> bool:
+        """Whether ``should_stop`` may end the fit: ``min_epochs`` and ``min_steps`` are done."""
+        return self.progress.epoch >= self.min_epochs and self.progress.global_step >= self.min_steps
 
     def is_done(self) -> bool:
         max_epochs = self.trainer.max_epochs
@@ -149,8 +188,11 @@ class FitLoop:
     def run_epoch(self) -> None:
         trainer, module, progress, plan = self.trainer, self.module, self.progress, self.plan
         hooks, collector = trainer.hooks, trainer.reporter.train_collector
-        validates = any(self.num_val_batches) and (progress.epoch + 1) % trainer.check_val_every_n_epoch == 0
         start = progress.batch_idx  # > 0 only when resuming inside this epoch
+        reload_every = trainer.reload_dataloaders_every_n_epochs
+        if reload_every and start == 0 and progress.epoch > 0 and progress.epoch % reload_every == 0:
+            self.reload_loaders()
+        validates = any(self.num_val_batches) and (progress.epoch + 1) % trainer.check_val_every_n_epoch == 0
         if start == 0:
             collector.start_epoch("train")
             progress.validated_after = -1
@@ -188,8 +230,8 @@ class FitLoop:
         both give the same run), else `optimization.run_training_batch`.
         """
         trainer, progress, plan, hooks = self.trainer, self.progress, self.plan, self.trainer.hooks
-        strategy, collector, reporter = trainer.strategy, trainer.reporter.train_collector, trainer.reporter
-        to_device = None if strategy.batches_stay_put else strategy.batch_to_device
+        collector, reporter = trainer.reporter.train_collector, trainer.reporter
+        to_device = batch_transfer(trainer, self.module)
         batch_start = hooks.bound("on_train_batch_start")
         batch_end = hooks.bound("on_train_batch_end")
         step = self.resolve_step()
@@ -219,6 +261,8 @@ class FitLoop:
         plain = plain_step(self)
         if plain is not None:
             return plain
+        if self.steps_with_closure:
+            return lambda batch, batch_idx: closure_training_batch(self, batch, batch_idx)
         plan = self.plan
         return lambda batch, batch_idx: run_training_batch(
             self, batch, batch_idx, plan.window_size(batch_idx), plan.ends_window(batch_idx)

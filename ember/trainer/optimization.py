@@ -6,13 +6,16 @@ gradient sync until the window ends), and at the window's end `optimizer_step`:
 unscale, hooks, clip, step, zero_grad, step-interval schedulers.
 
 `setup_optimizers` builds the optimizers and schedulers a fit uses and wires
-manual optimization to the same step. `plain_step` is the step when all of that reduces to
+manual optimization to the same step. An optimizer whose ``step`` needs a closure (``torch.optim.LBFGS``)
+trains through `closure_training_batch`: the closure ember builds runs the forward, the backward and the
+hooks around them, as often as the optimizer asks. `plain_step` is the step when all of that reduces to
 ``training_step``, ``backward()`` and ``optimizer.step()``: the loop then skips the no-op indirections.
 Every function takes the fit's `FitLoop`, which holds the state a step changes.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -29,11 +32,17 @@ def setup_optimizers(loop: FitLoop) -> None:
     """Run ``configure_optimizers``; under manual optimization, `self.optimizers()` and ``manual_backward`` go
     through `optimizer_step` and `backward`, so hooks, precision and step counting stay the same."""
     trainer, module = loop.trainer, loop.module
-    setup = parse_optimizers(module.configure_optimizers())
+    setup = parse_optimizers(module.configure_optimizers(), list(module.parameters()))
     if module.automatic_optimization and len(setup.optimizers) > 1:
         raise ValueError(
             f"configure_optimizers returned {len(setup.optimizers)} optimizers; several optimizers need "
             "manual optimization: set self.automatic_optimization = False and step them in training_step"
+        )
+    loop.steps_with_closure = module.automatic_optimization and needs_closure(setup.optimizers[0])
+    if loop.steps_with_closure and loop.plan.accumulate > 1:
+        raise ValueError(
+            f"{type(setup.optimizers[0]).__name__} evaluates the loss several times per step (a closure); it "
+            "cannot accumulate gradients over batches: drop accumulate_grad_batches, or use a larger batch"
         )
     trainer.optimizers, trainer.lr_scheduler_configs = setup.optimizers, setup.schedulers
     for optimizer in trainer.optimizers:
@@ -49,6 +58,12 @@ def setup_optimizers(loop: FitLoop) -> None:
 _STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
 
 
+def needs_closure(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer.step`` takes a closure it cannot do without (``torch.optim.LBFGS``: ``step(closure)``)."""
+    parameter = inspect.signature(type(optimizer).step).parameters.get("closure")
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
 def steps_are_plain(loop: FitLoop) -> bool:
     """Whether `run_training_batch` would only run ``training_step``, ``backward()`` and ``step()`` here.
 
@@ -59,6 +74,7 @@ def steps_are_plain(loop: FitLoop) -> bool:
     trainer = loop.trainer
     return (
         loop.module.automatic_optimization
+        and not loop.steps_with_closure
         and trainer.strategy.runs_plain_steps()
         and trainer.finite_guard.mode is None
         and trainer.gradient_clip_val is None
@@ -120,6 +136,44 @@ def run_training_batch(loop: FitLoop, batch: Any, batch_idx: int, window_size: i
     return output
 
 
+def closure_training_batch(loop: FitLoop, batch: Any, batch_idx: int) -> Any:
+    """One batch for an optimizer that evaluates the loss itself (``optimizer.step(closure)``, e.g. LBFGS).
+
+    The closure is what a hand-written loop passes: ``training_step``, ``zero_grad``, backward (with its hooks),
+    then ``on_before_optimizer_step`` and clipping; the optimizer calls it as often as it needs. Returns the
+    output of the last evaluation. Accumulation is refused for these optimizers (`setup_optimizers`).
+    """
+    trainer, module = loop.trainer, loop.module
+    strategy, hooks, optimizer = trainer.strategy, trainer.hooks, trainer.optimizers[0]
+    last: list[Any] = [None]
+
+    def closure() -> Tensor:
+        with strategy.forward_context():
+            output = last[0] = strategy.training_step(module, batch, batch_idx)
+        loss = loss_of(output)
+        if loss is None:
+            raise ValueError(
+                f"training_step returned None for batch {batch_idx}, but {type(optimizer).__name__} needs a loss "
+                "each time it evaluates the closure; return the loss"
+            )
+        optimizer.zero_grad(set_to_none=True)
+        backward(loop, loss)
+        hooks.on_before_optimizer_step(optimizer)
+        if trainer.gradient_clip_val is not None:
+            strategy.clip_gradients(
+                trainer.model, optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+            )
+        return loss
+
+    strategy.optimizer_step(optimizer, closure)
+    hooks.on_before_zero_grad(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    loop.progress.global_step += 1
+    if trainer.lr_scheduler_configs:
+        step_schedulers(loop, "step")
+    return last[0]
+
+
 def backward(loop: FitLoop, loss: Tensor) -> None:
     hooks = loop.trainer.hooks
     hooks.on_before_backward(loss)
@@ -127,8 +181,11 @@ def backward(loop: FitLoop, loss: Tensor) -> None:
     hooks.on_after_backward()
 
 
-def optimizer_step(loop: FitLoop, optimizer: Optimizer, closure: Any = None) -> None:
-    """Unscale, clip, step, zero the gradients, count the step, step schedulers."""
+def optimizer_step(loop: FitLoop, optimizer: Optimizer, closure: Any = None) -> Any:
+    """Unscale, clip, step, zero the gradients, count the step, step schedulers.
+
+    Returns what ``optimizer.step`` returned (the closure's loss, when a manual step passed one).
+    """
     trainer = loop.trainer
     strategy, hooks = trainer.strategy, trainer.hooks
     automatic = loop.module.automatic_optimization
@@ -136,7 +193,7 @@ def optimizer_step(loop: FitLoop, optimizer: Optimizer, closure: Any = None) -> 
     hooks.on_before_optimizer_step(optimizer)
     if trainer.gradient_clip_val is not None and automatic:
         strategy.clip_gradients(trainer.model, optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
-    strategy.optimizer_step(optimizer, closure)
+    result = strategy.optimizer_step(optimizer, closure)
     if automatic:
         hooks.on_before_zero_grad(optimizer)
         optimizer.zero_grad(set_to_none=True)
@@ -144,6 +201,7 @@ def optimizer_step(loop: FitLoop, optimizer: Optimizer, closure: Any = None) -> 
     loop.progress.global_step += 1
     if automatic and trainer.lr_scheduler_configs:
         step_schedulers(loop, "step")
+    return result
 
 
 def step_schedulers(loop: FitLoop, interval: str) -> None:

@@ -33,7 +33,9 @@ class TrainerOptions:
     (callbacks, loggers, a strategy, a ``timedelta``)."""
 
     max_epochs: int | None = None
+    min_epochs: int | None = None
     max_steps: int = -1
+    min_steps: int | None = None
     max_time: Any = None  # seconds, "DD:HH:MM:SS", a timedelta or a dict of timedelta fields
     accelerator: str = "auto"
     devices: int | str = "auto"
@@ -50,6 +52,8 @@ class TrainerOptions:
     limit_val_batches: float | int = 1.0
     limit_test_batches: float | int = 1.0
     limit_predict_batches: float | int = 1.0
+    overfit_batches: float | int = 0.0
+    reload_dataloaders_every_n_epochs: int = 0
     log_every_n_steps: int = 50
     callbacks: Any = None  # a Callback or a list of them
     logger: Any = True  # True, False, a Logger or a list of them
@@ -60,6 +64,9 @@ class TrainerOptions:
     run_name: str | None = None
     requeue_signal: str | int | None = "SIGUSR1"
     deterministic: bool = False
+    benchmark: bool | None = None
+    inference_mode: bool = False
+    sync_batchnorm: bool = False
     fast_dev_run: bool | int = False
     detect_anomaly: bool = False
     use_distributed_sampler: bool = True
@@ -92,6 +99,8 @@ def build(given: dict[str, Any]) -> TrainerOptions:
         "requeue_signal": resolve_signal(options.requeue_signal),
         "callbacks": _as_list(options.callbacks),
     }
+    if options.overfit_batches:  # the same few training batches, unshuffled, for training and validation
+        changes.update(limit_train_batches=options.overfit_batches, limit_val_batches=options.overfit_batches)
     if options.fast_dev_run:
         n = 1 if options.fast_dev_run is True else int(options.fast_dev_run)
         check_positive_int("fast_dev_run", n)
@@ -127,6 +136,18 @@ def check(options: TrainerOptions) -> None:
         raise ValueError(f"num_sanity_val_steps={steps!r}: use a batch count >= 0, or -1 for all")
     parse_max_time(options.max_time)
     compile_options(options.compile)
+    for name in ("min_epochs", "min_steps"):
+        value = getattr(options, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name}={value!r} must be an int >= 0 (or None)")
+    check_limit("overfit_batches", options.overfit_batches)
+    reload = options.reload_dataloaders_every_n_epochs
+    if isinstance(reload, bool) or not isinstance(reload, int) or reload < 0:
+        raise ValueError(f"reload_dataloaders_every_n_epochs={reload!r} must be an int >= 0 (0: never)")
+    if options.benchmark and options.deterministic:
+        raise ValueError(
+            "benchmark=True lets cuDNN pick kernels by timing them, which deterministic=True forbids; drop one"
+        )
 
 
 def check_positive_int(name: str, value: Any) -> None:

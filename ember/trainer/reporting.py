@@ -48,6 +48,11 @@ class Reporter:
         trainer.finite_guard.check()  # the loggers are about to sync anyway
         if not metrics or not trainer.loggers or not trainer.is_global_zero:
             return
+        if self.train_collector.not_for_loggers or self.eval_collector.not_for_loggers:  # logged with logger=False
+            hidden = self.train_collector.not_for_loggers | self.eval_collector.not_for_loggers
+            metrics = {k: v for k, v in metrics.items() if k not in hidden}
+            if not metrics:
+                return
         floats = to_floats(metrics)
         self.logged.update(floats)
         floats["epoch"] = trainer.progress.epoch

@@ -109,8 +109,17 @@ def prepare(
 
 
 def start(trainer: Trainer, stage: stages.Stage, module: TrainingModule, datamodule: DataModule | None) -> None:
-    """Set the module up on its device(s), compile it if asked, catch preemption signals, call ``setup``."""
-    state = trainer.run_state
+    """Prepare the data (``prepare_data``, once per node), set the module up on its device(s) (SyncBatchNorm
+    if asked), compile it if asked, catch preemption signals, call ``setup``."""
+    state, options = trainer.run_state, trainer.options
+    prepare_data(trainer, module, datamodule)
+    if options.sync_batchnorm and trainer.world_size > 1 and not module.__dict__.get("_ember_sync_batchnorm"):
+        if trainer.strategy.root_device.type == "cpu":
+            raise ValueError("sync_batchnorm=True: torch's SyncBatchNorm runs on GPUs only; drop it for CPU processes")
+        nn.SyncBatchNorm.convert_sync_batchnorm(module)  # in place: the module's children are replaced
+        module.__dict__["_ember_sync_batchnorm"] = True  # once: a later run keeps the converted layers
+    if options.benchmark is not None:
+        torch.backends.cudnn.benchmark = options.benchmark
     state.model = trainer.strategy.setup_module(module)
     compile_options = trainer.options.compile_options
     if compile_options is not None and not getattr(module, "_ember_compiled", False):
@@ -126,6 +135,20 @@ def start(trainer: Trainer, stage: stages.Stage, module: TrainingModule, datamod
     if datamodule is not None:
         datamodule.setup(stage.name)
     trainer.hooks.setup(stage.name)
+
+
+def prepare_data(trainer: Trainer, module: TrainingModule, datamodule: DataModule | None) -> None:
+    """``prepare_data`` of the datamodule and the module, as in Lightning: on local rank 0 of each node (global rank
+    0 when the datamodule sets ``prepare_data_per_node = False``), while the other processes wait."""
+    strategy = trainer.strategy
+    per_node = datamodule.prepare_data_per_node if datamodule is not None else True
+    rank = getattr(strategy, "local_rank", 0) if per_node else strategy.global_rank
+    if rank == 0:
+        if datamodule is not None:
+            datamodule.prepare_data()
+        module.prepare_data()
+    if trainer.world_size > 1:
+        strategy.barrier()
 
 
 def finish(

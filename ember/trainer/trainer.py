@@ -28,7 +28,7 @@ from ember.modules.module import TrainingModule
 from ember.modules.optimizers import SchedulerConfig
 from ember.strategies.strategy import Strategy
 from ember.trainer import checkpointing, options, signals
-from ember.trainer.data import EpochPlan, check_not_empty, num_batches, resolve_loaders
+from ember.trainer.data import EpochPlan, as_list, check_not_empty, num_batches, resolve_loaders
 from ember.trainer.evaluation import run_evaluation
 from ember.trainer.loop import FitLoop
 from ember.trainer.numerics import FiniteGuard
@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from ember.tuning.profiler import Profiler, ProfilerConfig
 
 _NO_PLAN = EpochPlan(0, 1, float("inf"))
+#: Lightning's names for trainer attributes that ember calls otherwise (the error names ember's).
+_LIGHTNING_NAMES = {"lightning_module": "module", "lightning_optimizers": "optimizers"}
 
 
 class Trainer:
@@ -51,7 +53,8 @@ class Trainer:
     docs/trainer.md for each. Stopping: ``max_epochs`` (default 1000 when
     neither it nor ``max_steps`` is set), ``max_steps`` (optimizer steps),
     ``max_time`` (seconds, ``timedelta``, ``"DD:HH:MM:SS"`` or a dict of
-    ``timedelta`` fields), or ``trainer.should_stop = True`` from any hook.
+    ``timedelta`` fields), or ``trainer.should_stop = True`` from any hook
+    (honoured once ``min_epochs`` epochs and ``min_steps`` steps are done).
     Every option is readable as an attribute (``trainer.max_epochs``) and, all
     together, as ``trainer.options``.
     """
@@ -60,7 +63,9 @@ class Trainer:
         self,
         *,
         max_epochs: int | None = None,
+        min_epochs: int | None = None,
         max_steps: int = -1,
+        min_steps: int | None = None,
         max_time: float | str | timedelta | dict[str, int] | None = None,
         accelerator: str = "auto",
         devices: int | str = "auto",
@@ -77,6 +82,8 @@ class Trainer:
         limit_val_batches: float | int = 1.0,
         limit_test_batches: float | int = 1.0,
         limit_predict_batches: float | int = 1.0,
+        overfit_batches: float | int = 0.0,
+        reload_dataloaders_every_n_epochs: int = 0,
         log_every_n_steps: int = 50,
         callbacks: Sequence[Callback] | Callback | None = None,
         logger: bool | Logger | Sequence[Logger] | None = True,
@@ -87,6 +94,9 @@ class Trainer:
         run_name: str | None = None,
         requeue_signal: str | int | None = "SIGUSR1",
         deterministic: bool = False,
+        benchmark: bool | None = None,
+        inference_mode: bool = False,
+        sync_batchnorm: bool = False,
         fast_dev_run: bool | int = False,
         detect_anomaly: bool = False,
         use_distributed_sampler: bool = True,
@@ -124,6 +134,8 @@ class Trainer:
         """Options read as attributes: ``trainer.max_epochs`` is ``trainer.options.max_epochs``."""
         if name in options.NAMES and "options" in self.__dict__:
             return getattr(self.options, name)
+        if name in _LIGHTNING_NAMES:
+            raise AttributeError(f"Trainer has no {name!r}; in ember it is trainer.{_LIGHTNING_NAMES[name]}")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # --- public state ---------------------------------------------------------
@@ -257,6 +269,12 @@ class Trainer:
         return self.hooks.callbacks
 
     @property
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
+        """The first `ModelCheckpoint` of the current run, or None."""
+        found = self.checkpoint_callbacks
+        return found[0] if found else None
+
+    @property
     def checkpoint_callbacks(self) -> list[ModelCheckpoint]:
         """The `ModelCheckpoint` callbacks of the current run, in order."""
         return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
@@ -272,11 +290,23 @@ class Trainer:
     ) -> None:
         """Train `module` until a stop condition holds (see the class docstring).
 
+        The arguments are Lightning's, in its order. Data comes from ``train_dataloaders`` /
+        ``val_dataloaders`` (a DataLoader, any iterable of batches, or a list of batches), else from
+        ``datamodule`` (which may also be passed second, as in ``trainer.fit(module, datamodule)``), else from
+        the module's own ``train_dataloader()`` / ``val_dataloader()``.
+
         ``ckpt_path`` resumes exactly from a checkpoint directory, from ``"last"``
         (the newest complete checkpoint of the newest run with this run name;
         training starts fresh, with an info line, when there is none) or from
         ``"best"`` (the best checkpoint of `ModelCheckpoint`).
         """
+        train_dataloaders, datamodule = _split_datamodule("fit", train_dataloaders, datamodule)
+        _check_not_datamodule("fit", "val_dataloaders", val_dataloaders)
+        if val_dataloaders is not None and datamodule is not None:
+            raise ValueError("fit: pass val_dataloaders or a datamodule, not both (the datamodule brings its own)")
+        as_list(train_dataloaders), as_list(val_dataloaders)  # a wrong kind of data fails here, before any hook
+        _check_ckpt_path("fit", ckpt_path)
+        check_fit(self, module)
         with running(self, stages.FIT, module, datamodule, ckpt_path):
             loop = self._fit_loop = FitLoop.build(self, module, train_dataloaders, val_dataloaders, datamodule)
             setup_optimizers(loop)
@@ -291,12 +321,15 @@ class Trainer:
         self,
         module: TrainingModule,
         dataloaders: Any = None,
-        datamodule: DataModule | None = None,
         ckpt_path: str | os.PathLike[str] | None = None,
+        *,
+        datamodule: DataModule | None = None,
     ) -> list[dict[str, float]]:
         """Run one validation epoch; returns one dict of epoch metrics per dataloader.
 
-        ``ckpt_path`` (a path, ``"last"`` or ``"best"``) loads those weights first.
+        ``ckpt_path`` (a path, ``"last"`` or ``"best"``) loads those weights first. The parameters follow
+        Lightning's order (``trainer.validate(module, loader, "best")``); a DataModule may be passed in place of
+        the dataloaders.
         """
         return self._evaluate(stages.VALIDATE, module, dataloaders, datamodule, ckpt_path)
 
@@ -304,18 +337,20 @@ class Trainer:
         self,
         module: TrainingModule,
         dataloaders: Any = None,
-        datamodule: DataModule | None = None,
         ckpt_path: str | os.PathLike[str] | None = None,
+        *,
+        datamodule: DataModule | None = None,
     ) -> list[dict[str, float]]:
-        """Run one test epoch; returns one dict of epoch metrics per dataloader (``ckpt_path`` as in validate)."""
+        """Run one test epoch; returns one dict of epoch metrics per dataloader (arguments as in `validate`)."""
         return self._evaluate(stages.TEST, module, dataloaders, datamodule, ckpt_path)
 
     def predict(
         self,
         module: TrainingModule,
         dataloaders: Any = None,
-        datamodule: DataModule | None = None,
         ckpt_path: str | os.PathLike[str] | None = None,
+        *,
+        datamodule: DataModule | None = None,
     ) -> list[Any]:
         """Run `predict_step` on every batch; returns the outputs (a list per dataloader if several)."""
         outputs = self._evaluate(stages.PREDICT, module, dataloaders, datamodule, ckpt_path)
@@ -329,14 +364,17 @@ class Trainer:
         datamodule: DataModule | None,
         ckpt_path: str | os.PathLike[str] | None,
     ) -> list[Any]:
+        loaders, datamodule = _split_datamodule(stage.name, loaders, datamodule)
+        _check_ckpt_path(stage.name, ckpt_path)
+        as_list(loaders)  # a wrong kind of data fails here, before any hook
         with running(self, stage, module, datamodule, ckpt_path):
             if self.ckpt_path is not None:
                 checkpointing.load_weights(self, module, self.ckpt_path)
-            given = resolve_loaders(stage.loop, loaders, datamodule)
+            given = resolve_loaders(stage.loop, loaders, datamodule, module)
             resolved = [self.strategy.distribute_loader(d, False) for d in given]
             if not resolved:
-                raise ValueError(f"{stage.loop} needs data: pass dataloaders or a datamodule with a {stage.loop} "
-                                 "dataloader")  # fmt: skip
+                raise ValueError(f"{stage.loop} needs data: pass dataloaders, a datamodule with a {stage.loop} "
+                                 f"dataloader, or define {stage.loader}_dataloader() on the module")  # fmt: skip
             check_not_empty(stage.loop, resolved)
             limit = getattr(self.options, stage.limit_option)
             limits = [num_batches(d, limit, stage.limit_option) for d in resolved]
@@ -375,6 +413,49 @@ class Trainer:
     def training(self) -> bool:
         """Whether training epochs are running (a save asked for now waits for the next step boundary)."""
         return self._fit_loop is not None and self._fit_loop.running
+
+
+def _split_datamodule(call: str, loaders: Any, datamodule: DataModule | None) -> tuple[Any, DataModule | None]:
+    """A DataModule passed where the dataloaders go (``trainer.fit(module, dm)``, as Lightning allows) is the
+    datamodule."""
+    if isinstance(loaders, DataModule):
+        if datamodule is not None:
+            raise ValueError(f"{call}: a DataModule was passed both as the dataloaders and as datamodule=; pass one")
+        return None, loaders
+    if loaders is not None and datamodule is not None:
+        raise ValueError(f"{call}: pass dataloaders or a datamodule, not both")
+    return loaders, datamodule
+
+
+def _check_not_datamodule(call: str, name: str, value: Any) -> None:
+    if isinstance(value, DataModule):
+        raise TypeError(f"{call}: {name} got a DataModule; pass it as datamodule=... (or second, in its place)")
+
+
+def _check_ckpt_path(call: str, ckpt_path: Any) -> None:
+    if ckpt_path is not None and not isinstance(ckpt_path, (str, os.PathLike)):
+        raise TypeError(
+            f"{call}: ckpt_path must be a path, 'last' or 'best'; got a {type(ckpt_path).__qualname__}. "
+            "The parameters follow Lightning's order: (module, dataloaders, ckpt_path, *, datamodule)"
+        )
+
+
+def check_fit(trainer: Trainer, module: TrainingModule) -> None:
+    """What `fit` refuses before anything runs: options that do not apply to this module."""
+    if not isinstance(module, TrainingModule):
+        raise TypeError(f"expected an ember.TrainingModule, got {type(module).__qualname__}")
+    if not module.automatic_optimization:
+        if trainer.gradient_clip_val is not None:
+            raise ValueError(
+                f"gradient_clip_val={trainer.gradient_clip_val} does nothing under manual optimization "
+                "(automatic_optimization = False); drop it and clip in training_step, e.g. "
+                "self.clip_gradients(opt, gradient_clip_val=0.5) before opt.step()"
+            )
+        if trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} does nothing under manual optimization "
+                "(automatic_optimization = False); drop it and step the optimizer every N batches in training_step"
+            )
 
 
 def _resolve_profiler(value: Any) -> Profiler | None:

@@ -327,6 +327,79 @@ def test_step_scheduler_steps_after_zero_grad_before_batch_end() -> None:
     ]
 
 
+# --- closure optimizers and the module's data hooks ----------------------------------------------
+class _LBFGSModule(RecordingModule):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.calls.append(("step", "training_step"))
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=2)
+
+
+def test_closure_optimizer_runs_step_backward_and_pre_step_hooks_inside_each_evaluation() -> None:
+    calls: Calls = []
+    _trainer(calls).fit(_LBFGSModule(calls), _loader(1))
+    evaluation = [
+        ("step", "training_step"),
+        *both("on_before_backward", "on_after_backward", "on_before_optimizer_step"),
+    ]
+    assert calls == [
+        *both("setup", "on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start"),
+        *evaluation,  # LBFGS with max_iter=2 evaluates the closure twice
+        *evaluation,
+        *both("on_before_zero_grad", "on_train_batch_end", "on_train_epoch_end", "on_train_end", "on_fit_end"),
+        *both("teardown"),
+    ]
+
+
+class _DataHooksModule(RecordingModule):
+    def prepare_data(self) -> None:
+        self.calls.append(("module", "prepare_data"))
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        self.calls.append(("module", "on_before_batch_transfer"))
+        return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        self.calls.append(("module", "transfer_batch_to_device"))
+        return batch
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        self.calls.append(("module", "on_after_batch_transfer"))
+        return batch
+
+    def on_validation_model_eval(self) -> None:
+        self.calls.append(("module", "on_validation_model_eval"))
+        super().on_validation_model_eval()
+
+    def on_validation_model_train(self) -> None:
+        self.calls.append(("module", "on_validation_model_train"))
+        super().on_validation_model_train()
+
+
+def test_prepare_data_batch_transfer_and_eval_mode_hooks() -> None:
+    calls: Calls = []
+    _trainer(calls).fit(_DataHooksModule(calls), _loader(1), _loader(1))
+    transfer = [("module", "on_before_batch_transfer"), ("module", "transfer_batch_to_device")]
+    transfer.append(("module", "on_after_batch_transfer"))
+    assert calls == [
+        ("module", "prepare_data"),
+        *both("setup", "on_fit_start", "on_train_start", "on_train_epoch_start"),
+        *transfer,
+        *both("on_train_batch_start"),
+        *both("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad"),
+        *both("on_train_batch_end"),
+        ("module", "on_validation_model_eval"),
+        *both("on_validation_start", "on_validation_epoch_start"),
+        *transfer,
+        *both("on_validation_batch_start", "on_validation_batch_end", "on_validation_epoch_end"),
+        *both("on_validation_end"),
+        ("module", "on_validation_model_train"),
+        *both("on_train_epoch_end", "on_train_end", "on_fit_end", "teardown"),
+    ]
+
+
 # --- exceptions -------------------------------------------------------------------------------
 class _FailingModule(RecordingModule):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
