@@ -9,14 +9,14 @@ import ember
 
 
 class Classifier(ember.TrainingModule):
-    def __init__(self, lr: float = 3e-3, hidden: int = 128):
+    def __init__(self, lr: float = 3e-3, hidden: int = 128) -> None:
         super().__init__()
         self.save_hyperparameters()  # -> self.hparams.lr, self.hparams.hidden
         self.model = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
         self.loss_fn = nn.CrossEntropyLoss()
         self.metrics = {"acc": torchmetrics.Accuracy(task="multiclass", num_classes=10)}
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> dict[str, object]:
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, 20)}
 

@@ -39,6 +39,15 @@ FIT_SHORT = [
     "trainer.enable_progress_bar=false",
 ]
 EVAL_SHORT = ["trainer.limit_val_batches=2", "trainer.limit_test_batches=2", "trainer.limit_predict_batches=2"]
+#: Smaller data and models for the examples' configs (as their own tests use), put before the command's own
+#: overrides, so that what the command sets (``data.seq_len=39``) still applies.
+CONFIG_SHORT = {
+    "char_transformer.yaml": ["data.max_bytes=50000", "module.n_layers=1", "module.max_new_tokens=8"],
+    "hf_lm.yaml": ["data.vocab_size=384", "data.max_bytes=40000", "data.seq_len=32", "module.n_embd=32",
+                   "module.n_head=2", "module.n_layer=1"],
+    "hf_classify.yaml": ["data.train_per_class=8", "data.val_per_class=16", "data.max_tokens=16"],
+    "segmentation.yaml": ["data.train_size=32", "data.val_size=16", "module.width=4", "module.depth=2"],
+}  # fmt: skip
 #: At most this many blocks and command lines carry the ``not run`` marker.
 MAX_NOT_RUN = 10
 
@@ -48,6 +57,11 @@ CMD_PAGES = [p for p in pages() if any(not c.marked_not_run for c in commands(p)
 
 def shorten(argv: list[str]) -> list[str]:
     """The command with overrides that make it quick; what it does is unchanged."""
+    configs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-c", "--config")]
+    smaller = [o for c in configs for o in CONFIG_SHORT.get(Path(c).name, [])]
+    if smaller:
+        first = next((i for i, a in enumerate(argv) if i > 0 and "=" in a and not a.startswith("-")), len(argv))
+        argv = [*argv[:first], *smaller, *argv[first:]]
     sub = argv[0]
     if "--print-config" in argv:
         return argv
@@ -185,16 +199,24 @@ def test_command_lines_run(page: str, page_dir: Path, capsys: pytest.CaptureFixt
                 ran += 1
                 continue
             _SWEEPS_RUN.add(key)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                code = main(argv)
-            except SystemExit as exc:  # argparse rejected the documented command line
-                code = int(exc.code or 0)
-        out = capsys.readouterr()
-        assert code == 0, f"{command.where}: `{command.text}` (run as ember {' '.join(argv)}) exits {code}:\n{out.err}"
+        code = run_command(argv)
+        err = capsys.readouterr().err
+        assert code == 0, f"{command.where}: `{command.text}` (run as ember {' '.join(argv)}) exits {code}:\n{err}"
         ran += 1
     assert ran > 0
+
+
+def run_command(argv: list[str]) -> int:
+    """``ember ARGV`` in this process. ``trainer.devices=N`` becomes 1: the command line, the strategy and the
+    config still run; several processes (which re-launch the program they run in, here pytest) are what
+    tests/distributed runs."""
+    argv = [("trainer.devices=1" if a.startswith("trainer.devices=") else a) for a in argv]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return main(argv)
+        except SystemExit as exc:  # argparse rejected the documented command line
+            return int(exc.code or 0)
 
 
 def _marked() -> list[str]:
