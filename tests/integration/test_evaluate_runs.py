@@ -203,3 +203,11 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_do(
     code, _, err = ember(capsys, "fit", "-c", "net.yaml", "trainer.max_steps=10", "trainer.max_epochs=null",
                          "--resume", "last")  # fmt: skip
     assert code == 0 and "ember: this run already finished (step 10/10); nothing to do" in err.splitlines()
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import ember as package
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert (exit_info.value.code, capsys.readouterr().out) == (0, f"ember {package.__version__}\n")
