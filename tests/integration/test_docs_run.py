@@ -162,6 +162,7 @@ def namespace() -> dict[str, Any]:
     }  # fmt: skip
 
 
+@pytest.mark.slow  # about a minute for every page together; CI runs it
 @pytest.mark.parametrize("page", PY_PAGES)
 def test_python_blocks_run(page: str, page_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import ember
@@ -186,6 +187,7 @@ def test_python_blocks_run(page: str, page_dir: Path, monkeypatch: pytest.Monkey
 _SWEEPS_RUN: set[tuple[str, ...]] = set()
 
 
+@pytest.mark.slow  # one to two minutes for every page together; CI runs it
 @pytest.mark.parametrize("page", CMD_PAGES)
 def test_command_lines_run(page: str, page_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ran = 0
