@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ember", description="Run an ember TrainingModule from YAML configs.", allow_abbrev=False
     )
+    from ember import __version__
+
+    parser.add_argument("--version", action="version", version=f"ember {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, text in COMMANDS.items():
         sub = add_command(commands, name, text, f"ember {name}: {text}.", EPILOG)
@@ -63,7 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument(
                 "--ckpt-path",
                 metavar="best|last|PATH",
-                help="load these weights first; 'best'/'last': from the newest run of this run name",
+                help="load these weights first; 'best'/'last': from the newest run of this run name that has "
+                "checkpoints (--run picks another). Results are written into the checkpoint's run (eval/)",
+            )
+            sub.add_argument(
+                "--run",
+                metavar="version_N",
+                help="with --ckpt-path best|last: take the checkpoint from this run (runs/<name>/version_N)",
             )
     add_export_parser(commands)
     from ember.tuning.cli import add_parsers  # `ember tune` and `ember sweep` live in ember/tuning/
@@ -168,6 +177,7 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
         from ember.tuning.cli import run as run_tuning
 
         return run_tuning(args, overrides)
+    check_options(args.command, overrides)
     config.add_import_roots(args.config)
     if args.seed is not None:
         overrides = [*overrides, f"seed={args.seed}"]
@@ -179,8 +189,74 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
         sys.stdout.write(config.to_yaml(resolved))
         return 0
     trainer, module, data = build(resolved)
+    if getattr(args, "run", None) is not None:
+        ckpt_path = _checkpoint_of_run(trainer, module, args.command, ckpt_path, args.run)
     run(args.command, trainer, module, data, ckpt_path)
     return 0
+
+
+#: Options one subcommand has and another lacks: what to write instead, by subcommand kind.
+_OTHER_OPTIONS = {
+    "--resume": "--ckpt-path last (or best, or a checkpoint path) loads a checkpoint's weights",
+    "--ckpt-path": "--resume last (or a checkpoint path) continues training from a checkpoint",
+    "--ckpt": "--ckpt-path (validate/test/predict) or --resume (fit) names a checkpoint",
+    "--run": "--resume last continues the newest run; --resume PATH any checkpoint",
+}
+
+
+def check_options(command: str, overrides: list[str]) -> None:
+    """An option of another subcommand (``ember test --resume``, ``ember fit --ckpt-path``) is a mistake whose
+    advice names the option this subcommand has, not an override form that would fail next."""
+    from ember.config import ConfigError
+
+    has = {"--resume"} if command == "fit" else {"--ckpt-path", "--run"}
+    for item in overrides:
+        name = item.split("=", 1)[0]
+        if name in _OTHER_OPTIONS and name not in has:
+            raise ConfigError(f"ember {command} has no {name} option; {_OTHER_OPTIONS[name]}")
+
+
+def _checkpoint_of_run(trainer: Trainer, module: TrainingModule, command: str, which: str | None, run: str) -> str:
+    """``--run version_N``: the checkpoint ``--ckpt-path best|last`` names inside that run, as a path."""
+    from ember import checkpoint
+    from ember.config import ConfigError
+    from ember.trainer.setup import run_name
+
+    if which not in ("best", "last"):
+        raise ConfigError("--run: give --ckpt-path best or --ckpt-path last with it (a path names its run already)")
+    root = Path(trainer.options.default_root_dir) / (trainer.options.run_name or run_name(module))
+    path, _, _ = checkpoint.resolve_ckpt_path(which, root, command, [], run=run)
+    assert path is not None  # only fit's 'last' finds nothing without an error
+    return str(path)
+
+
+def describe_hardware(trainer: Trainer) -> str | None:
+    """One line saying what fit runs on (device, process count, strategy, precision), or None in a process
+    that does not print it (a launcher about to start the workers, a rank other than 0)."""
+    import torch
+
+    from ember.strategies.parallel import ParallelStrategy
+
+    strategy = trainer.strategy
+    if isinstance(strategy, ParallelStrategy):
+        if strategy.global_rank != 0 or (strategy.cluster.kind == "single" and strategy.world_size_requested > 1):
+            return None  # not rank 0, or the launcher: the workers' rank 0 prints it
+        cuda = strategy.accelerator == "cuda" or (strategy.accelerator == "auto" and torch.cuda.is_available())
+        count, nodes = strategy.devices, strategy.num_nodes
+    else:
+        cuda, count, nodes = strategy.root_device.type == "cuda", 1, 1
+    device = f"cuda ({torch.cuda.get_device_name(0)})" if cuda else "cpu"
+    processes = _count(count * nodes, "process") + (f" on {nodes} nodes" if nodes > 1 else "")
+    kind = _STRATEGY_NAMES.get(type(strategy).__name__, type(strategy).__name__)
+    return f"fit on {device}: {processes}, strategy {kind}, precision {strategy.precision.name}"
+
+
+_STRATEGY_NAMES = {
+    "Strategy": "single_device",
+    "DDPStrategy": "ddp",
+    "FSDPStrategy": "fsdp",
+    "ModelParallelStrategy": "model_parallel",
+}
 
 
 def _checkpoint_option(args: argparse.Namespace) -> str | None:
@@ -238,29 +314,44 @@ def run(command: str, trainer: Trainer, module: TrainingModule, data: DataModule
         kwargs["ckpt_path"] = ckpt_path
     start = time.perf_counter()
     if command == "fit":
+        line = describe_hardware(trainer)
+        if line is not None:
+            print(f"ember: {line}", file=sys.stderr, flush=True)
         trainer.fit(module, **kwargs)
         metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-        where = f"{trainer.current_epoch} epochs, {trainer.global_step} steps"
+        where = f"{_count(trainer.current_epoch, 'epoch')}, {_count(trainer.global_step, 'step')}"
     elif command == "predict":
         import torch
 
         predictions = trainer.predict(module, **kwargs)
-        name = "predictions.pt" if trainer.world_size == 1 else f"predictions-rank{trainer.global_rank}.pt"
+        loaded = trainer.ckpt_path
+        stem = f"eval/predict-{loaded.name}" if loaded is not None else "predictions"
+        name = f"{stem}.pt" if trainer.world_size == 1 else f"{stem}-rank{trainer.global_rank}.pt"
         path = trainer.run_dir / name
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(predictions, path)
         n = len(predictions)
         elapsed = time.perf_counter() - start
-        print(f"predict done in {elapsed:.1f} s: {n} batch{'es' * (n != 1)} of outputs saved to {path}")
+        if trainer.is_global_zero:
+            saved = path if trainer.world_size == 1 else path.with_name(path.name.replace("rank0", "rank*"))
+            print(f"predict done in {elapsed:.1f} s: {_count(n, 'batch')} of outputs saved to {saved}")
         return
     else:
         results = trainer.validate(module, **kwargs) if command == "validate" else trainer.test(module, **kwargs)
         metrics = {k: v for result in results for k, v in result.items()}
-        where = f"{len(results)} dataloader{'s' * (len(results) != 1)}"
+        where = _count(len(results), "dataloader")
     shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
+    if not shown:
+        finished = command == "fit" and trainer.ckpt_path is not None and not trainer.logged_metrics
+        shown = "nothing to do, the run had finished already" if finished else "no metrics"
     elapsed = time.perf_counter() - start
     if trainer.is_global_zero:
-        print(f"{command} done in {elapsed:.1f} s ({where}): {shown or 'no metrics'}; run dir {trainer.run_dir}")
+        print(f"{command} done in {elapsed:.1f} s ({where}): {shown}; run dir {trainer.run_dir}")
+
+
+def _count(n: int, noun: str) -> str:
+    """``"1 epoch"``, ``"2 epochs"``, ``"3 batches"``."""
+    return f"{n} {noun}{('es' if noun in ('batch', 'process') else 's') * (n != 1)}"
 
 
 def export(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -33,6 +33,15 @@ def format_duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
+def batches_left(trainer: Trainer, done: int, total: float) -> float:
+    """Batches this epoch still runs after `done` of `total`: fewer when ``max_steps`` ends the run first
+    (each remaining optimizer step takes ``accumulate_grad_batches`` batches)."""
+    left = total - done
+    if trainer.max_steps >= 0:
+        left = min(left, max(trainer.max_steps - trainer.global_step, 0) * trainer.accumulate_grad_batches)
+    return left
+
+
 class ProgressLine(Callback):
     """Prints plain progress lines; the default progress display when stdout is not a terminal.
 
@@ -114,15 +123,16 @@ class ProgressLine(Callback):
         if self._enabled and done < total:  # the epoch line covers the last batch
             of = "" if math.isinf(total) else f"/{int(total)}"
             metrics = format_metrics(trainer.progress_bar_metrics)
-            self._print(f"{self._prefix(trainer)}  batch {done}{of}  {metrics}  [{self._rate(done, total, now)}]")
+            left = batches_left(trainer, done, total)
+            self._print(f"{self._prefix(trainer)}  batch {done}{of}  {metrics}  [{self._rate(done, left, now)}]")
         self._plan_next(trainer, done, now)
 
-    def _rate(self, done: int, total: float, now: float) -> str:
+    def _rate(self, done: int, left: float, now: float) -> str:
         elapsed = now - self._epoch_start
         rate = done / elapsed if elapsed > 0 else math.inf
         text = f"{rate:.3g} batches/s"
-        if not math.isinf(total) and rate > 0:
-            text += f", {format_duration((total - done) / rate)} left"
+        if not math.isinf(left) and rate > 0:
+            text += f", {format_duration(left / rate)} left"
         return text
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:

@@ -29,6 +29,7 @@ from ember.checkpoint.locating import (
     CHECKPOINT_SUBDIR,
     checkpoints_in,
     claim_version,
+    describe,
     find_best,
     find_last,
     newest_valid,
@@ -36,6 +37,8 @@ from ember.checkpoint.locating import (
     release_if_empty,
     resolve_ckpt_path,
     resolve_path,
+    run_dir_of,
+    summarize,
     versions_newest_first,
 )
 from ember.checkpoint.reading import (
@@ -68,6 +71,7 @@ __all__ = [
     "check_complete",
     "checkpoints_in",
     "claim_version",
+    "describe",
     "differences",
     "find_best",
     "find_last",
@@ -86,9 +90,11 @@ __all__ = [
     "release_if_empty",
     "resolve_ckpt_path",
     "resolve_path",
+    "run_dir_of",
     "save_weights",
     "split_tensors",
     "stage_checkpoint",
+    "summarize",
     "versions_newest_first",
     "write_checkpoint",
 ]

@@ -15,6 +15,7 @@ import os
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 from ember.checkpoint.files import is_plain_name, read_regular
 from ember.checkpoint.format import LAST_FILE, META_FILE, CheckpointError
@@ -161,47 +162,136 @@ def find_last(folders: list[Path], versions: list[Path], resumable: bool = False
     return None
 
 
-def find_best(folders: list[Path], run_root: Path, known: str | None = None) -> Path:
+def find_best(
+    folders: list[Path], run_root: Path, known: str | None = None, versions: list[Path] | None = None
+) -> Path:
     """The best checkpoint of a `ModelCheckpoint(monitor=...)`: `known` (this process's own record), else the
-    one the newest checkpoint of `run_root` (or of `folders`) records.
+    one the newest checkpoint of `versions` (default: every version of `run_root`, newest first; or of
+    `folders`) records.
 
     A path recorded in a checkpoint is data: only its name is used, looked up beside the checkpoint that
     recorded it, so a crafted file cannot point anywhere else.
     """
     if known:
         return resolve_path(Path(known))
-    last = find_last(folders, versions_newest_first(run_root))
+    last = find_last(folders, versions_newest_first(run_root) if versions is None else versions)
     if last is not None:
         saved = read_meta(last[0])["state"].get("callbacks", {})
         for key, value in (saved.items() if isinstance(saved, dict) else ()):
             best = value.get("best_model_path") if isinstance(value, dict) else None
             if str(key).startswith("ModelCheckpoint") and isinstance(best, str) and best:
                 return resolve_path(last[0].parent / Path(best).name)
+    where = versions[0] if versions and len(versions) == 1 else run_root
     raise CheckpointError(
-        f"ckpt_path='best': no ModelCheckpoint with a monitored best checkpoint in this trainer or under {run_root}"
+        f"ckpt_path='best': no ModelCheckpoint with a monitored best checkpoint in this trainer or under {where}"
+    )
+
+
+def run_dir_of(checkpoint: Path) -> Path | None:
+    """The run directory `checkpoint` belongs to (``<run dir>/checkpoints/<name>``, the run dir a
+    ``version_N`` folder or one holding ``config.yaml``), or None for a checkpoint kept elsewhere."""
+    folder = checkpoint.parent
+    if folder.name != CHECKPOINT_SUBDIR:
+        return None
+    run = folder.parent
+    return run if _VERSION.fullmatch(run.name) or (run / "config.yaml").is_file() else None
+
+
+_MONITOR = re.compile(r"'monitor': '([^']*)'")
+
+
+def summarize(checkpoint: Path) -> dict[str, Any]:
+    """What a checkpoint holds, from its metadata: ``epoch`` (epochs completed), ``global_step`` and
+    ``monitored`` (the value every ``ModelCheckpoint`` monitor recorded for it, by metric name)."""
+    try:
+        state = read_meta(checkpoint)["state"]
+    except CheckpointError:
+        return {}
+    progress = state.get("progress", {}) if isinstance(state, dict) else {}
+    summary: dict[str, Any] = {}
+    if isinstance(progress, dict):
+        summary = {"epoch": progress.get("epoch"), "global_step": progress.get("global_step")}
+    monitored: dict[str, float] = {}
+    callbacks = state.get("callbacks", {}) if isinstance(state, dict) else {}
+    for key, value in (callbacks.items() if isinstance(callbacks, dict) else ()):
+        monitor = _MONITOR.search(str(key))
+        kept = value.get("kept") if isinstance(value, dict) else None
+        if not str(key).startswith("ModelCheckpoint") or monitor is None or not isinstance(kept, dict):
+            continue
+        score = next((v for k, v in kept.items() if Path(str(k)).name == checkpoint.name), None)
+        if isinstance(score, (int, float)):
+            monitored[monitor.group(1)] = float(score)
+    return {**summary, "monitored": monitored}
+
+
+def describe(checkpoint: Path) -> str:
+    """`summarize` as text: ``"epoch 3, step 69, val/acc 0.9583"``."""
+    summary = summarize(checkpoint)
+    if not summary:
+        return "unreadable metadata"
+    parts = [f"epoch {summary.get('epoch', '?')}", f"step {summary.get('global_step', '?')}"]
+    parts += [f"{name} {value:.4f}" for name, value in summary["monitored"].items()]
+    return ", ".join(parts)
+
+
+def _across_runs(which: str, run_dir: Path | None, run_root: Path, stage: str) -> str:
+    """For ``last``/``best``: which run was chosen when the run name has several, and how to choose another."""
+    versions = versions_newest_first(run_root)
+    if run_dir is None or len(versions) < 2:
+        return ""
+    choose = "give a checkpoint path" if stage == "fit" else "choose another run with --run version_N"
+    return (
+        f"; '{which}' is taken from {run_dir.name}, the newest of the {len(versions)} runs under {run_root} that "
+        f"has a checkpoint ({choose})"
     )
 
 
 def resolve_ckpt_path(
-    ckpt_path: str | os.PathLike[str], run_root: Path, stage: str, folders: list[Path], known_best: str | None = None
+    ckpt_path: str | os.PathLike[str],
+    run_root: Path,
+    stage: str,
+    folders: list[Path],
+    known_best: str | None = None,
+    run: str | None = None,
 ) -> tuple[Path | None, Path | None, str | None]:
     """(the checkpoint directory `ckpt_path` names, the run directory to continue or None, a line to print).
 
-    ``"last"``: the newest complete checkpoint of `run_root`'s versions (or of the explicit checkpoint
-    `folders`); for `stage` "fit", one that can resume training, and its run directory is continued
-    (no checkpoint: None, and fit starts a new run, saying so). ``"best"``: `find_best`. Anything else is
-    a checkpoint directory or a ``last`` file. Everything but fit's ``"last"`` starts a new version.
+    ``"last"``: the newest complete checkpoint of `run_root`'s versions (only of version `run` when given;
+    the explicit checkpoint `folders` first); for `stage` "fit", one that can resume training, and its run
+    directory is continued (no checkpoint: None, and fit starts a new run, saying so). ``"best"``:
+    `find_best`. Anything else is a checkpoint directory or a ``last`` file.
+
+    fit continues the run only for ``"last"``; any other checkpoint starts a new version. validate, test
+    and predict of a checkpoint inside a run directory write into that run (`run_dir_of`). The line says
+    which checkpoint was chosen and what it holds (`describe`), and for ``last``/``best`` which run.
     """
+    versions = versions_newest_first(run_root)
+    if run is not None:
+        chosen = run_root / run
+        if not _VERSION.fullmatch(run) or not chosen.is_dir():
+            names = ", ".join(v.name for v in versions) or "none"
+            raise CheckpointError(f"--run {run}: no such run under {run_root} (runs there: {names})")
+        versions, folders = [chosen], []
     if ckpt_path == "last":
-        found = find_last(folders, versions_newest_first(run_root), resumable=stage == "fit")
+        found = find_last(folders, versions, resumable=stage == "fit")
         if found is None:
             if stage != "fit":
-                raise CheckpointError(f"ckpt_path='last': no complete checkpoint under {run_root}")
+                where = versions[0] if run else run_root
+                raise CheckpointError(f"ckpt_path='last': no complete checkpoint under {where}")
             return None, None, f"no checkpoint under {run_root}; starting a new run"
         path, run_dir = found
+        across = "" if run is not None else _across_runs("last", run_dir, run_root, stage)
         if stage == "fit":
-            return path, run_dir, f"resuming from {path}"
-        return path, None, f"loading {path}"
+            return path, run_dir, f"resuming from {path} ({describe(path)}){across}"
+        return path, run_dir or run_dir_of(path), f"{stage}: loading {path} ({describe(path)}){across}"
     if ckpt_path == "best":
-        return find_best(folders, run_root, known_best), None, None
-    return resolve_path(Path(ckpt_path)), None, None
+        path = find_best(folders, run_root, None if run is not None else known_best, versions)
+        if stage == "fit":
+            return path, None, f"resuming from {path} ({describe(path)}) in a new run"
+        run_dir = run_dir_of(path)
+        across = "" if run is not None or known_best else _across_runs("best", run_dir, run_root, stage)
+        return path, run_dir, f"{stage}: loading the best checkpoint {path} ({describe(path)}){across}"
+    path = resolve_path(Path(ckpt_path))
+    if stage == "fit":
+        return path, None, f"resuming from {path} ({describe(path)}) in a new run"
+    return path, run_dir_of(path), f"{stage}: loading {path} ({describe(path)})"

@@ -254,11 +254,31 @@ _MISSING_HINTS = {
 }
 
 
+#: Files that mark a project's root folder (see `import_roots`).
+PROJECT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
+
+
+def import_roots(files: Sequence[str | Path]) -> list[str]:
+    """Where ``_target_`` paths import from, in order: for each config file its folder, then its project's
+    root (the nearest folder above it holding ``pyproject.toml``, ``setup.py``, ``setup.cfg`` or ``.git``);
+    then the working directory. So ``configs/digits.yaml`` naming ``examples.digits.Classifier`` works from
+    any directory, as does ``my_project/configs/train.yaml`` naming ``my_project.models.Net``."""
+    roots: list[str] = []
+    for file in files:
+        folder = Path(file).resolve().parent
+        project = next((d for d in (folder, *folder.parents) if any((d / m).exists() for m in PROJECT_MARKERS)), None)
+        for root in (folder, project):
+            if root is not None and str(root) not in roots:
+                roots.append(str(root))
+    return [*roots, *([str(Path.cwd())] if str(Path.cwd()) not in roots else [])]
+
+
 def add_import_roots(files: Sequence[str | Path]) -> None:
-    """Put each config file's folder and the cwd at the front of `sys.path` (as ``python script.py`` does)."""
-    for root in [*[str(Path(f).resolve().parent) for f in files], str(Path.cwd())][::-1]:
-        if root not in sys.path:
-            sys.path.insert(0, root)
+    """Put `import_roots` at the front of `sys.path`, in their order (as ``python script.py`` does its folder)."""
+    for root in import_roots(files)[::-1]:
+        if root in sys.path:
+            sys.path.remove(root)
+        sys.path.insert(0, root)
 
 
 def to_yaml(config: dict[str, Any]) -> str:

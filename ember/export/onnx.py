@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -138,11 +139,17 @@ def _first_line(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
-    """The exporter logs a warning per torchvision operator it cannot register when torchvision is absent."""
+    """The exporter's own noise, none of it about the user's model: a warning logged per torchvision operator
+    it cannot register when torchvision is absent, and torch's FutureWarning about ``LeafSpec`` that the
+    exporter's graph decomposition triggers inside torch (torch 2.13) on every export. Only that message is
+    filtered; every other warning reaches the user."""
     logger = logging.getLogger("torch.onnx._internal.exporter._registration")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                    category=FutureWarning)  # fmt: skip
+            yield
     finally:
         logger.setLevel(level)

@@ -29,6 +29,7 @@ class CSVLogger(Logger):
         self._columns: list[str] = ["step"]
         self._written = 0
         self._header: list[str] = []
+        self._adopted = False  # whether a metrics.csv already there was read (see `_adopt_existing`)
 
     @property
     def metrics_path(self) -> Path:
@@ -55,6 +56,7 @@ class CSVLogger(Logger):
         """Write the buffered rows: appended when the columns are unchanged, else the file is rewritten atomically."""
         if len(self._rows) == self._written:
             return
+        self._adopt_existing()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self._header == self._columns:  # same columns: append the new rows
             with open(self.metrics_path, "a", encoding="utf-8", newline="") as f:
@@ -69,6 +71,24 @@ class CSVLogger(Logger):
             atomic_write(self.metrics_path, buffer.getvalue())
             self._header = list(self._columns)
         self._written = len(self._rows)
+
+    def _adopt_existing(self) -> None:
+        """Keep the rows of a ``metrics.csv`` this logger finds in its folder before its first write (testing a
+        finished run's checkpoint writes into that run): they come first, and the file is rewritten with them."""
+        if self._adopted:
+            return
+        self._adopted = True
+        if self._written or not self.metrics_path.exists():
+            return
+        columns, rows = self._read()
+        self._rows = rows + self._rows
+        self._columns = columns + [c for c in self._columns if c not in columns]
+        self._header = []
+
+    def _read(self) -> tuple[list[str], list[dict[str, Any]]]:
+        with open(self.metrics_path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            return list(reader.fieldnames or ["step"]), [{k: v for k, v in row.items() if v != ""} for row in reader]
 
     def _writer(self, f: Any) -> csv.DictWriter[str]:
         return csv.DictWriter(f, fieldnames=self._columns, lineterminator="\n")
@@ -86,12 +106,10 @@ class CSVLogger(Logger):
 
         Checkpoints without a row count keep the rows up to `state["step"]`.
         """
+        self._adopted = True
         if not self.metrics_path.exists():
             return
-        with open(self.metrics_path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            self._columns = list(reader.fieldnames or ["step"])
-            rows = [{k: v for k, v in row.items() if v != ""} for row in reader]
+        self._columns, rows = self._read()
         if "rows" in state:
             self._rows = rows[: state["rows"]]
         else:

@@ -135,6 +135,8 @@ class TrainingModule(nn.Module):
     def load_from_checkpoint(cls, path: str | os.PathLike[str], **overrides: Any) -> Self:
         """Rebuild the module from a checkpoint's saved hyperparameters and load its weights.
 
+        `path` is a checkpoint directory or a run's ``checkpoints/last`` file (the checkpoint it names).
+
         ``overrides`` replace saved hyperparameters (or supply ones that were
         not saved, e.g. a backbone passed with ``ignore=``). The module is
         returned in eval mode, on the CPU. Nothing in the checkpoint is executed:
@@ -145,6 +147,8 @@ class TrainingModule(nn.Module):
         from ember import checkpoint
 
         where = Path(path)
+        if where.name == checkpoint.LAST_FILE:  # a run's ``checkpoints/last`` file: the checkpoint it names
+            where = checkpoint.resolve_path(where)
         meta, weights = checkpoint.read_module_state(where)
         try:
             module = cls(**{**meta.get("hparams", {}), **overrides})

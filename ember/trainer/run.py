@@ -167,3 +167,36 @@ def finish(
         ckpt.release_if_empty(*claimed)
     if trainer.profiler is not None:
         trainer.profiler.end(trainer)
+
+
+def record_evaluation(trainer: Trainer, stage: stages.Stage, results: list[dict[str, float]]) -> Path | None:
+    """Write the metrics of validating or testing a loaded checkpoint to ``<run dir>/eval/<stage>-<checkpoint
+    name>.json`` (process 0; replaced atomically when the same checkpoint is evaluated again); returns the path.
+
+    The record names the checkpoint, what it holds (`ember.checkpoint.summarize`: epochs, step, monitored
+    values) and the metrics per dataloader. Nothing is written without a loaded checkpoint.
+    """
+    import json
+    import time
+
+    from ember.checkpoint.files import atomic_write
+
+    loaded = trainer.run_state.ckpt
+    if loaded is None or not trainer.is_global_zero or stage is stages.PREDICT:
+        return None
+    record = {
+        "stage": stage.name,
+        "checkpoint": str(loaded),
+        **ckpt.summarize(loaded),
+        "metrics": results[0] if len(results) == 1 else results,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    path = eval_dir(trainer) / f"{stage.name}-{loaded.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def eval_dir(trainer: Trainer) -> Path:
+    """``<run dir>/eval``: where the results of evaluating a checkpoint are kept."""
+    return trainer.run_dir / "eval"

@@ -35,7 +35,7 @@ from ember.trainer.numerics import FiniteGuard
 from ember.trainer.optimization import setup_optimizers
 from ember.trainer.progress import Progress
 from ember.trainer.reporting import Reporter
-from ember.trainer.run import RunState, running
+from ember.trainer.run import RunState, record_evaluation, running
 from ember.trainer.setup import record_hyperparameters
 
 if TYPE_CHECKING:
@@ -312,6 +312,8 @@ class Trainer:
             setup_optimizers(loop)
             if self.ckpt_path is not None:
                 checkpointing.resume(loop, self.ckpt_path)
+                if loop.is_done():
+                    checkpointing.info(self, f"this run already finished ({self._stop_point()}); nothing to do")
             record_hyperparameters(self, module, resumed=self.ckpt_path is not None)
             if loop.plan.num_batches == 0:
                 return  # limit_train_batches=0 disables training
@@ -378,7 +380,9 @@ class Trainer:
             check_not_empty(stage.loop, resolved)
             limit = getattr(self.options, stage.limit_option)
             limits = [num_batches(d, limit, stage.limit_option) for d in resolved]
-            return run_evaluation(self, module, stage.loop, resolved, limits)
+            results = run_evaluation(self, module, stage.loop, resolved, limits)
+            record_evaluation(self, stage, results)
+            return results
         raise AssertionError("unreachable")  # pragma: no cover  (mypy: running re-raises)
 
     def save_checkpoint(
@@ -408,6 +412,15 @@ class Trainer:
         if not self.training:
             self.checkpoint_writer.flush(self, module)
         return Path(path)
+
+    def _stop_point(self) -> str:
+        """Where the run stands against its stop conditions: ``"epoch 20/20"`` or ``"step 500/500"``."""
+        max_epochs, max_steps = self.max_epochs, self.max_steps
+        if max_epochs is not None and self.current_epoch >= max_epochs:
+            return f"epoch {self.current_epoch}/{max_epochs}"
+        if 0 <= max_steps <= self.global_step:
+            return f"step {self.global_step}/{max_steps}"
+        return f"epoch {self.current_epoch}, step {self.global_step}"
 
     @property
     def training(self) -> bool:

@@ -91,3 +91,22 @@ def test_num_nodes_that_disagree_with_the_launcher_are_a_clear_error(
     assert says in message and "WORLD_SIZE=2" in message, message
     assert "devices=0" not in message and "nproc-per-node=0" not in message, f"a count nobody asked for: {message}"
     assert not dist.is_initialized()
+
+
+@pytest.mark.distributed
+def test_ember_predict_on_two_processes_prints_its_summary_once(tmp_path) -> None:
+    """Each process saves its share; only process 0 prints (issue 21: "predict done" came from both ranks)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "WANDB_MODE": "offline"}
+    command = [sys.executable, "-m", "ember", "predict", "-c", str(repo / "configs" / "digits.yaml"),
+               "trainer.devices=2", "trainer.logger=false"]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("predict done") == 1, done.stdout
+    run = tmp_path / "runs" / "classifier" / "version_0"
+    assert sorted(p.name for p in run.glob("predictions-rank*.pt")) == ["predictions-rank0.pt", "predictions-rank1.pt"]
+    assert "saved to runs/classifier/version_0/predictions-rank*.pt" in done.stdout

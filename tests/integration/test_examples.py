@@ -136,7 +136,9 @@ def test_char_transformer_fit_and_predict(runs: tuple[Path, dict[str, Run]]) -> 
     assert meta["hparams"]["n_layers"] == 1 and meta["hparams"]["context"] == 128
 
     assert "3 batches of outputs saved" in done["char_predict"].stdout
-    predictions = torch.load(cwd / "runs" / "char_transformer" / "version_1" / "predictions.pt", weights_only=True)
+    # predicting from a run's checkpoint writes into that run (eval/predict-<checkpoint>.pt), not a new version
+    (saved,) = (cwd / "runs" / "char_transformer" / "version_0" / "eval").glob("predict-*.pt")
+    predictions = torch.load(saved, weights_only=True)
     assert [len(batch) for batch in predictions] == [1, 1, 1]
     for prompt, (text,) in zip(["def ", "import ", "class "], predictions, strict=True):
         assert text.startswith(prompt)

@@ -108,6 +108,29 @@ def batch_sizes(result: ExportResult) -> list[int | None]:
 # --- ONNX ------------------------------------------------------------------------------------------------
 
 
+def test_onnx_export_prints_no_torch_internal_future_warning(tmp_path: Path) -> None:
+    """torch 2.13's exporter triggers a FutureWarning about ``LeafSpec`` inside torch on every export; ember
+    filters that one message (issue 21), and only it: a warning from the user's model still shows."""
+    import warnings
+
+    class Warns(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            warnings.warn("the model's own warning", UserWarning, stacklevel=2)
+            return x * 2
+
+    module = build("mlp")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module.to_onnx(tmp_path / "mlp.onnx")
+    assert [str(w.message) for w in caught if "LeafSpec" in str(w.message)] == []
+    own = build("mlp")
+    own.model = nn.Sequential(own.model, Warns())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        own.to_onnx(tmp_path / "warns.onnx")
+    assert "the model's own warning" in [str(w.message) for w in caught]
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_onnx_matches_the_module_at_other_batch_sizes(artifacts: Artifacts, name: str) -> None:
     result = artifacts.get(name, "onnx")

@@ -127,6 +127,29 @@ def test_progress_lines_every_n_seconds_with_rate_and_time_left(monkeypatch: pyt
     ]
 
 
+def test_time_left_counts_only_the_batches_max_steps_allows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_steps=7 ends the run at batch 7 of 10: the time left counts 7 - done batches, not the epoch's."""
+    from ember.callbacks import progress as progress_module
+
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(progress_module, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
+
+    class Slow(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            clock.now += 10.0
+            return super().training_step(batch, batch_idx)
+
+    stream = io.StringIO()
+    trainer = ember.Trainer(max_steps=7, callbacks=[ProgressLine(stream=stream, every_n_seconds=25)], logger=False,
+                            enable_model_summary=False)  # fmt: skip
+    trainer.fit(Slow(), ten_batches())
+    lines = [re.sub(r"train/loss \S+", "L", line) for line in stream.getvalue().splitlines()]
+    assert lines[:2] == [
+        "epoch 1  step 3  batch 3/10  L  [0.1 batches/s, 0:40 left]",
+        "epoch 1  step 6  batch 6/10  L  [0.1 batches/s, 0:10 left]",
+    ]
+
+
 def test_plain_lines_are_the_default_off_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
     trainer = ember.Trainer(max_epochs=2, logger=False, enable_checkpointing=False)
     trainer.fit(Regressor(), loader(), loader(8))

@@ -29,7 +29,7 @@ def digits_accuracy(precision: str) -> tuple[float, torch.dtype]:
     ember.seed_everything(42)
     trainer = ember.Trainer(max_epochs=6, precision=precision, enable_checkpointing=False, **QUIET)
     module = (Fp16Classifier if precision == "16-true" else Classifier)(epochs=6)
-    trainer.fit(module, datamodule=DigitsData())
+    trainer.fit(module, datamodule=DigitsData(test_fraction=0.0))  # the 80/20 split the band was set on
     return trainer.callback_metrics["val/acc"], next(module.parameters()).dtype
 
 
