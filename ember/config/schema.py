@@ -59,6 +59,7 @@ class TrainerConfig:
     use_distributed_sampler: bool = True
     nonfinite_loss: str | None = None
     compile: Any = False  # true, false, or a mapping of torch.compile keywords
+    tune_cpu_allocator: bool = True
 
 
 @dataclass

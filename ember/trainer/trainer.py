@@ -28,7 +28,7 @@ from ember.modules.datamodule import DataModule
 from ember.modules.logging import MetricCollector, to_floats
 from ember.modules.module import TrainingModule
 from ember.modules.optimizers import SchedulerConfig
-from ember.strategies import launcher
+from ember.strategies import allocator, launcher
 from ember.strategies.strategy import Strategy
 from ember.trainer import checkpointing, loop, options, signals
 from ember.trainer.data import EpochPlan, check_not_empty, num_batches, resolve_loaders
@@ -85,6 +85,7 @@ class Trainer:
         use_distributed_sampler: bool = True,
         nonfinite_loss: str | None = None,
         compile: bool | dict[str, Any] = False,
+        tune_cpu_allocator: bool = True,
     ) -> None:
         options.check(
             accumulate_grad_batches=accumulate_grad_batches,
@@ -140,6 +141,7 @@ class Trainer:
         self.detect_anomaly = detect_anomaly
         self._finite_guard = FiniteGuard(nonfinite_loss)
         self.compile_options = options.compile_options(compile)
+        self.tune_cpu_allocator = tune_cpu_allocator
 
         self.progress = Progress()
         self.should_stop = False
@@ -380,6 +382,7 @@ class Trainer:
         if self.strategy.needs_launch():
             launcher.relaunch(self.strategy.world_size_requested, self.requeue_signal)  # N processes; exits
         self.strategy.setup_environment()
+        allocator.tune_cpu_allocator(self.tune_cpu_allocator)  # once per process, before the run allocates
         if not self._loggers_resolved:
             # Only process 0 logs; the others keep no loggers at all.
             self.loggers = resolve_loggers(self._logger_option) if self.is_global_zero else []
