@@ -71,6 +71,8 @@ def tune_cpu_allocator(enabled: bool = True) -> AllocatorStatus:
     outcome without doing anything. An opt-out is not remembered, so a later run that allows it applies it.
     """
     global _status, _last_skip
+    if not isinstance(enabled, bool):
+        raise TypeError(f"tune_cpu_allocator must be True or False; got {enabled!r}")
     if _status is not None:
         return _status
     if not enabled:

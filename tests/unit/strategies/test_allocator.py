@@ -153,6 +153,11 @@ def test_a_bad_environment_value_names_the_fix(monkeypatch: pytest.MonkeyPatch) 
         allocator.tune_cpu_allocator()
 
 
+def test_the_keyword_takes_a_bool() -> None:
+    with pytest.raises(TypeError, match="tune_cpu_allocator must be True or False; got 'no'"):
+        allocator.tune_cpu_allocator("no")  # type: ignore[arg-type]
+
+
 def test_not_applied_off_linux(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "platform", "darwin")
     status = allocator._apply()
