@@ -25,7 +25,7 @@ Launches are forked from a "zygote" (`benchmarks/zygote.py`) that imported torch
 launch takes milliseconds to start; two-process launches are two forks joined by a gloo process group.
 
     python benchmarks/soak.py                  # 104 interruptions (13 per configuration)
-    python benchmarks/soak.py --short          # 16 interruptions: CI (tests/integration/test_benchmarks.py)
+    python benchmarks/soak.py --short          # 16 interruptions: CI (tests/reliability/test_soak.py)
 """
 
 from __future__ import annotations
@@ -428,8 +428,11 @@ def soak(workdir: Path, per_config: int, seed: int = 0, timeout_s: float = 120.0
             while interrupted < per_config and not run.out.exists():
                 kind = rng.choice(["SIGKILL", "SIGKILL", "SIGTERM", "ENOSPC"])
                 pids = launch(zygote, run, enospc_at_save=rng.randrange(0, 4) if kind == "ENOSPC" else -1)
-                if kind != "ENOSPC" and _wait_for_steps(zygote, run, pids, 1, timeout_s):
-                    time.sleep(rng.uniform(0.0, 0.25))
+                # The instant is drawn in steps, not seconds, so that no launch can run to the end first on a
+                # fast machine (every configuration is interrupted exactly per_config times), then jittered
+                # within a few steps so that kills land in all parts of a step and of a checkpoint write.
+                if kind != "ENOSPC" and _wait_for_steps(zygote, run, pids, rng.randint(1, 12), timeout_s):
+                    time.sleep(rng.uniform(0.0, 0.02))
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(pids[0], signal.SIGKILL if kind == "SIGKILL" else signal.SIGTERM)
                 codes = wait_all(zygote, pids, timeout_s)

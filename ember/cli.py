@@ -7,6 +7,8 @@
     ember test -c configs/digits.yaml --ckpt-path best
     ember fit -c configs/digits.yaml --print-config
     ember export --ckpt last -c configs/digits.yaml --format onnx --out exports
+    ember tune lr -c configs/digits.yaml
+    ember sweep -c configs/digits.yaml --space configs/sweeps/digits.yaml --trials 12 --workers 2
 
 Every config mistake is found before anything is built: one line on stderr, exit code 2, no run
 directory (``--debug`` adds the traceback). The schema and the checks live in `ember.config`.
@@ -75,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                 help="load these weights first; 'best'/'last': from the newest run of this run name",
             )
     add_export_parser(commands)
+    from ember.tuning.cli import add_parsers  # `ember tune` and `ember sweep` live in ember/tuning/
+
+    add_parsers(commands)
     return parser
 
 
@@ -94,7 +99,7 @@ def add_export_parser(commands: Any) -> None:
 
     sub = commands.add_parser(
         "export",
-        help="export a checkpoint's module to ONNX, TorchScript, torch.export, safetensors or TorchServe",
+        help="export a checkpoint's module to ONNX, TorchScript, torch.export, safetensors, TorchServe or hf",
         description="ember export: write a checkpoint's module as an inference artifact and check it.",
         epilog=EXPORT_EPILOG,
         allow_abbrev=False,
@@ -152,6 +157,10 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.command == "export":
         return export(args, overrides)
+    if args.command in ("tune", "sweep"):
+        from ember.tuning.cli import run as run_tuning
+
+        return run_tuning(args, overrides)
     config.add_import_roots(args.config)
     if args.seed is not None:
         overrides = [*overrides, f"seed={args.seed}"]

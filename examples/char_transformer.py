@@ -153,24 +153,31 @@ class StdlibText(ember.DataModule):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention where each position sees itself and the positions before it."""
+    """Multi-head self-attention where each position sees itself and the positions before it.
+
+    The query, key and value projections are separate layers, so a tensor-parallel plan can split each by
+    heads (`tensor_parallel_plan`); the forward then runs this process's heads, however many that is.
+    """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} must be a multiple of n_heads={n_heads}")
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.head_dim = d_model // n_heads
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
 
     def forward(self, x: Tensor) -> Tensor:
-        batch, seq, d_model = x.shape
-        q, k, v = self.qkv(x).split(d_model, dim=2)
-        shape = (batch, seq, self.n_heads, d_model // self.n_heads)
-        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
+        batch, seq, _ = x.shape
+        shape = (batch, seq, -1, self.head_dim)  # -1: all heads, or this process's under tensor parallelism
+        q = self.q(x).reshape(shape).transpose(1, 2)  # (batch, heads, seq, head_dim)
+        k = self.k(x).reshape(shape).transpose(1, 2)
+        v = self.v(x).reshape(shape).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, d_model))
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class Block(nn.Module):
@@ -188,6 +195,30 @@ class Block(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
+
+
+def tensor_parallel_plan(n_layers: int, loss_parallel: bool = False) -> dict[str, Any]:
+    """Megatron-style tensor parallelism for `CharTransformer`: in each block, the query, key, value and
+    first MLP projections are split by output features (`ColwiseParallel`: each process computes its
+    heads and its part of the hidden layer), the attention output and second MLP projections by input
+    features (`RowwiseParallel`, whose outputs are summed over the processes). Each half of a block
+    thus communicates once forward and once backward. Embeddings and norms stay replicated.
+
+    With `loss_parallel` the output projection is split over the vocabulary and stays sharded (a DTensor)
+    into the loss (``ModelParallelStrategy(loss_parallel=True)`` computes the cross-entropy in parallel).
+    """
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+    plan: dict[str, ParallelStyle] = {}
+    for i in range(n_layers):
+        for name in ("attn.q", "attn.k", "attn.v", "mlp.0"):
+            plan[f"blocks.{i}.{name}"] = ColwiseParallel()
+        for name in ("attn.proj", "mlp.2"):
+            plan[f"blocks.{i}.{name}"] = RowwiseParallel()
+    if loss_parallel:
+        plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    return plan
 
 
 class CharTransformer(ember.TrainingModule):
@@ -232,6 +263,17 @@ class CharTransformer(ember.TrainingModule):
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         return self.lm_head(self.ln_f(self.blocks(x)))
 
+    def configure_model(self, device_mesh: Any) -> None:
+        """Under ``ModelParallelStrategy``: split the blocks over the ``"tp"`` mesh dimension
+        (`tensor_parallel_plan`); ember then shards the result with FSDP2 over ``"dp"``."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        tp = device_mesh["tp"].size()
+        if self.hparams.n_heads % tp:
+            raise ValueError(f"n_heads={self.hparams.n_heads} must be a multiple of the tensor-parallel size {tp}")
+        loss_parallel = bool(getattr(self.trainer.strategy, "loss_parallel", False))
+        parallelize_module(self, device_mesh["tp"], tensor_parallel_plan(len(self.blocks), loss_parallel))
+
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         inputs, targets = batch
         loss = F.cross_entropy(self(inputs).flatten(0, 1), targets.flatten())
@@ -242,6 +284,8 @@ class CharTransformer(ember.TrainingModule):
         inputs, targets = batch
         logits = self(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        if callable(getattr(logits, "full_tensor", None)):  # sharded over the vocabulary (loss parallel)
+            logits = logits.full_tensor()
         self.val_ppl.update(logits, targets)
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/ppl", self.val_ppl, prog_bar=True)

@@ -19,9 +19,12 @@ import ember
 
 
 class Classifier(ember.TrainingModule):
-    """A two-layer MLP; the default steps train it from ``model``, ``loss_fn`` and ``metrics``."""
+    """A two-layer MLP; the default steps train it from ``model``, ``loss_fn`` and ``metrics``.
 
-    def __init__(self, lr: float = 3e-3, hidden: int = 128, epochs: int = 20) -> None:
+    AdamW with a cosine schedule over ``epochs``; ``weight_decay`` is AdamW's (its default, 0.01).
+    """
+
+    def __init__(self, lr: float = 3e-3, hidden: int = 128, epochs: int = 20, weight_decay: float = 0.01) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
@@ -29,7 +32,7 @@ class Classifier(ember.TrainingModule):
         self.metrics = {"acc": torchmetrics.Accuracy(task="multiclass", num_classes=10)}
 
     def configure_optimizers(self) -> dict[str, object]:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.hparams.epochs)
         return {"optimizer": opt, "lr_scheduler": sched}
 

@@ -45,6 +45,12 @@ def _overrides(obj: object, base: type, name: str) -> bool:
     return getattr(type(obj), name, None) is not getattr(base, name, None)
 
 
+def _owner(fn: Callable[..., Any]) -> Any:
+    """The object a hook function belongs to (a bound method of the module, or a partial of a callback's)."""
+    bound = fn.func if isinstance(fn, functools.partial) else fn
+    return getattr(bound, "__self__", None)
+
+
 class CallbackList:
     """Calls a hook on the module first, then on each callback in order."""
 
@@ -75,9 +81,23 @@ class CallbackList:
             )
             self._table[name] = fns
 
+    def instrument(self, wrap: Callable[[str, Any, Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Replace every hook function by ``wrap(hook name, owner, fn)``; the owner is the module or the callback.
+
+        For observers of the whole run (``Trainer(profiler=...)`` times each hook this way). A hook
+        being called while this runs keeps calling the functions it started with.
+        """
+        for name, fns in self._table.items():
+            self._table[name] = [wrap(name, _owner(fn), fn) for fn in fns]
+
     def implemented(self, name: str) -> bool:
         """Whether the module or any callback implements hook `name`."""
         return bool(self._table[name])
+
+    def bound(self, name: str) -> Callable[..., None] | None:
+        """This list's method for hook `name`, or None when nobody implements it (the loop skips the call)."""
+        method: Callable[..., None] = getattr(self, name)
+        return method if self._table[name] else None
 
     def _call(self, name: str, *args: Any) -> None:
         for fn in self._table[name]:

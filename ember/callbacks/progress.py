@@ -155,29 +155,11 @@ class ProgressLine(Callback):
         self._epoch_start = time.monotonic()
         self._next_time = self._epoch_start + self.every_n_seconds if self.every_n_seconds else math.inf
 
-    def on_test_batch_end(
-        self,
-        trainer: Trainer,
-        module: TrainingModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        """Print a line every ``every_n_seconds`` of a test run."""
-        self._eval_tick("test")
+    def on_test_batch_end(self, trainer: Trainer, module: TrainingModule, *args: Any, **kwargs: Any) -> None:
+        """Print a line every ``every_n_seconds`` of a test or predict run."""
+        self._eval_tick(str(trainer.stage))
 
-    def on_predict_batch_end(
-        self,
-        trainer: Trainer,
-        module: TrainingModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        """Print a line every ``every_n_seconds`` of a predict run."""
-        self._eval_tick("predict")
+    on_predict_batch_end = on_test_batch_end
 
     def _eval_tick(self, stage: str) -> None:
         self._eval_count += 1

@@ -192,41 +192,12 @@ class RichProgressBar(Callback):
         if time.monotonic() >= self._next_refresh:
             self._refresh()
 
-    def on_validation_batch_end(
-        self,
-        trainer: Trainer,
-        module: TrainingModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        """Count the batch; redraw when a refresh is due."""
+    def on_validation_batch_end(self, trainer: Trainer, module: TrainingModule, *args: Any, **kwargs: Any) -> None:
+        """Count the batch; redraw when a refresh is due (test and predict batches too)."""
         self._eval_batch()
 
-    def on_test_batch_end(
-        self,
-        trainer: Trainer,
-        module: TrainingModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        """Count the batch; redraw when a refresh is due."""
-        self._eval_batch()
-
-    def on_predict_batch_end(
-        self,
-        trainer: Trainer,
-        module: TrainingModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        """Count the batch; redraw when a refresh is due."""
-        self._eval_batch()
+    on_test_batch_end = on_validation_batch_end
+    on_predict_batch_end = on_validation_batch_end
 
     def on_validation_end(self, trainer: Trainer, module: TrainingModule) -> None:
         """Inside fit, remove the validation bar; after ``trainer.validate``, complete it and add the metrics table."""

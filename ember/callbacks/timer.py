@@ -16,24 +16,31 @@ if TYPE_CHECKING:
 STAGES = ("train", "validate", "test", "predict")
 
 
-def parse_duration(value: float | str | timedelta | dict[str, int]) -> float:
-    """Seconds from a number, ``"DD:HH:MM:SS"``, a ``timedelta`` or a dict of ``timedelta`` fields."""
+def parse_duration(value: float | str | timedelta | dict[str, int], label: str | None = None) -> float:
+    """Seconds from a number, ``"DD:HH:MM:SS"``, a ``timedelta`` or a dict of ``timedelta`` fields; a bad or
+    non-positive value is an error that starts with `label`, the option as the user wrote it
+    (default ``Timer(duration=...)``)."""
+    label = label or f"Timer(duration={value!r})"
+    seconds: float | None = None
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, dict):
-        seconds = timedelta(**value).total_seconds()
+        try:
+            seconds = timedelta(**value).total_seconds()
+        except TypeError:
+            raise ValueError(f"{label}: the keys must be timedelta fields (days, hours, minutes, "
+                             "seconds, milliseconds, ...)") from None  # fmt: skip
     elif isinstance(value, str):
         match = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", value)
-        if not match:
-            raise ValueError(f"Timer(duration={value!r}): use 'DD:HH:MM:SS', seconds, a timedelta or a dict")
-        d, h, m, s = map(int, match.groups())
-        seconds = timedelta(days=d, hours=h, minutes=m, seconds=s).total_seconds()
+        if match:
+            d, h, m, s = map(int, match.groups())
+            seconds = timedelta(days=d, hours=h, minutes=m, seconds=s).total_seconds()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
-    else:
-        raise TypeError(f"Timer(duration={value!r}): use seconds, 'DD:HH:MM:SS', a timedelta or a dict")
-    if not seconds > 0:
-        raise ValueError(f"Timer(duration={value!r}): the duration must be positive")
+    if seconds is None or not seconds > 0:
+        raise ValueError(
+            f"{label}: use a positive duration: seconds (> 0), 'DD:HH:MM:SS', a timedelta or a dict"
+        )
     return seconds
 
 

@@ -1,7 +1,7 @@
 """The config schema: what a run config may contain, typed, and key paths into it.
 
-`RunConfig` is the whole file; `TrainerConfig` mirrors the `ember.Trainer` keywords field for field
-(tests/unit/test_config.py compares them with the signature). ``module``, ``data``, ``optimizer`` and
+`RunConfig` is the whole file; `TrainerConfig` is derived from the Trainer's own options
+(`ember.trainer.options.TrainerOptions`), field for field. ``module``, ``data``, ``optimizer`` and
 ``lr_scheduler`` are ``_target_`` sections: a dotted path plus constructor keywords.
 """
 
@@ -22,44 +22,24 @@ class ConfigError(Exception):
     """A config or command-line mistake found before any work starts; ``str()`` is one line."""
 
 
-@dataclass
-class TrainerConfig:
-    """The keywords of `ember.Trainer`, field for field (tests/unit/test_config.py keeps them in step)."""
+def _trainer_config() -> type:
+    """The ``trainer`` section's schema, derived field for field from `ember.trainer.options.TrainerOptions`
+    (the Trainer's keywords), so the YAML schema and the Python API cannot drift."""
+    from ember.trainer.options import TrainerOptions
 
-    max_epochs: int | None = None
-    max_steps: int = -1
-    max_time: Any = None  # seconds, "DD:HH:MM:SS" or {hours: 2}
-    accelerator: str = "auto"
-    devices: int | str = "auto"
-    strategy: Any = "auto"  # a name, or a _target_ section
-    num_nodes: int = 1
-    precision: str | int = "32-true"
-    accumulate_grad_batches: int = 1
-    gradient_clip_val: float | None = None
-    gradient_clip_algorithm: str = "norm"
-    val_check_interval: float | int = 1.0
-    check_val_every_n_epoch: int = 1
-    num_sanity_val_steps: int = 2
-    limit_train_batches: float | int = 1.0
-    limit_val_batches: float | int = 1.0
-    limit_test_batches: float | int = 1.0
-    limit_predict_batches: float | int = 1.0
-    log_every_n_steps: int = 50
-    callbacks: list[Any] | None = None  # _target_ sections
-    logger: Any = True  # true, false, a _target_ section or a list of them
-    enable_progress_bar: bool = True
-    enable_model_summary: bool = True
-    enable_checkpointing: bool = True
-    default_root_dir: str = "runs"
-    run_name: str | None = None
-    requeue_signal: str | int | None = "SIGUSR1"
-    deterministic: bool = False
-    fast_dev_run: bool | int = False
-    detect_anomaly: bool = False
-    use_distributed_sampler: bool = True
-    nonfinite_loss: str | None = None
-    compile: Any = False  # true, false, or a mapping of torch.compile keywords
-    tune_cpu_allocator: bool = True
+    hints = typing.get_type_hints(TrainerOptions)
+    yaml_types: dict[str, Any] = {"callbacks": list[Any] | None}  # _target_ sections
+    fields = [
+        (f.name, yaml_types.get(f.name, hints[f.name]), field(default=f.default))
+        for f in dataclasses.fields(TrainerOptions)
+    ]
+    config = dataclasses.make_dataclass("TrainerConfig", fields)
+    config.__module__ = __name__
+    return config
+
+
+#: The ``trainer`` section of a run config: every `ember.Trainer` keyword with its default.
+TrainerConfig = _trainer_config()
 
 
 @dataclass
@@ -67,7 +47,7 @@ class RunConfig:
     """A whole run: what `ember fit -c FILE` reads. ``module`` and ``data`` are ``_target_`` plus kwargs."""
 
     seed: int | None = None
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # type: ignore[valid-type]
     module: dict[str, Any] = MISSING
     data: dict[str, Any] = MISSING
     optimizer: dict[str, Any] | None = None

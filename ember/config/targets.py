@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import OmegaConf
 
+from ember import stages
 from ember.config.schema import ConfigError, describe_type, lookup, split_key
 
 if TYPE_CHECKING:
@@ -202,7 +203,6 @@ def _accepts(hint: Any, value: Any) -> bool | None:
     return False
 
 
-_STAGE_LOADERS = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
 
 
 def check(loaded: LoadedConfig, config: dict[str, Any], command: str | None = None) -> None:
@@ -218,7 +218,7 @@ def check(loaded: LoadedConfig, config: dict[str, Any], command: str | None = No
     check_target(loaded, config["module"], "module", base=TrainingModule)
     check_target(loaded, config["data"], "data", base=DataModule)
     data_cls = import_target(config["data"]["_target_"])
-    loader = f"{_STAGE_LOADERS[command]}_dataloader" if command else None
+    loader = f"{stages.by_name(command).loader}_dataloader" if command else None
     if loader and inspect.isclass(data_cls) and getattr(data_cls, loader) is getattr(DataModule, loader):
         raise loaded.error("data._target_", f"{config['data']['_target_']} has no {loader}(), which `{command}` needs")
     trainer = config["trainer"]

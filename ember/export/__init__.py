@@ -1,5 +1,5 @@
-"""From a trained module to production: ONNX, TorchScript, ``torch.export``, safetensors weights and a
-TorchServe archive.
+"""From a trained module to production: ONNX, TorchScript, ``torch.export``, safetensors weights, a
+TorchServe archive and a Hugging Face ``save_pretrained`` directory.
 
 Every export traces (or saves) the module in eval mode on an example input (the ``example_input``
 argument, else ``module.example_input_array``), writes its artifact into a hidden folder beside the
@@ -8,7 +8,8 @@ ONNX Runtime, with a second batch size when the batch is dynamic), and only then
 place. A mismatch is an `ExportError` naming the format, the file and the largest difference.
 
 The optional packages (onnx, onnxscript, onnxruntime, safetensors, torch-model-archiver) are imported
-by the export that needs them: ``pip install 'ember[export]'``. See docs/export.md.
+by the export that needs them: ``pip install 'ember[export]'`` (the Hugging Face export: ``'ember[hf]'``).
+See docs/export.md.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ember.export.checks import DEFAULT_ATOL, DEFAULT_RTOL, Check, ExportError, ExportResult
+from ember.export.hf import export_hf
 from ember.export.onnx import export_onnx
 from ember.export.program import export_program
 from ember.export.torchscript import export_torchscript
@@ -33,6 +35,7 @@ FORMATS = {
     "torch-export": ".pt2",
     "safetensors": ".safetensors",
     "torchserve": ".mar",
+    "hf": "",  # a directory (save_pretrained): config.json, model.safetensors, tokenizer files
 }
 
 __all__ = [
@@ -43,6 +46,7 @@ __all__ = [
     "ExportError",
     "ExportResult",
     "export",
+    "export_hf",
     "export_onnx",
     "export_program",
     "export_safetensors",
@@ -67,7 +71,8 @@ def export(
     """Export `module` to `path` in `format` (a key of `FORMATS`) and check it; see the module docstring.
 
     `dynamic_batch` applies to "onnx" and "torch-export", `method` ("script" or "trace") to
-    "torchscript"; `atol` and `rtol` bound the check (TorchServe compares within `atol`).
+    "torchscript"; `atol` and `rtol` bound the check (TorchServe compares within `atol`). "hf" writes a
+    ``save_pretrained`` directory of the module's transformers model and tokenizer (`export_hf`).
     """
     if format == "onnx":
         return export_onnx(module, path, example_input, dynamic_batch, atol=atol, rtol=rtol)
@@ -79,4 +84,6 @@ def export(
         return export_safetensors(module, path, example_input, atol=atol, rtol=rtol)
     if format == "torchserve":
         return export_torchserve(module, path, example_input, atol=atol)
+    if format == "hf":
+        return export_hf(module, path, example_input=example_input, atol=atol, rtol=rtol)
     raise ExportError(f"unsupported export format {format!r}; choose one of {', '.join(FORMATS)}")

@@ -45,3 +45,42 @@ def _default_file_mode(folder: Path) -> int:
     mode = probe.stat().st_mode & 0o777
     probe.unlink()
     return mode
+
+
+@contextlib.contextmanager
+def staged_dir(path: Path) -> Iterator[Path]:
+    """Yield a fresh hidden directory beside `path`; when the block finishes, it replaces `path`.
+
+    Its files are fsynced, then an existing `path` is renamed aside, the new directory renamed to `path`
+    and the old one removed. When the block raises, the new directory is removed and `path` is left as it
+    was.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    old: Path | None = None
+    try:
+        yield folder
+        file_mode = _default_file_mode(folder)
+        for item in folder.rglob("*"):
+            if item.is_file():
+                os.chmod(item, file_mode)  # safetensors creates files readable by their owner only
+                fsync_path(item)
+        os.chmod(folder, _default_dir_mode(folder))  # mkdtemp made it private
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.replace(path, old / path.name)
+        os.replace(folder, path)
+        fsync_path(path.parent)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _default_dir_mode(folder: Path) -> int:
+    """The permissions ``mkdir`` gives a new directory here (0o777 less the umask)."""
+    probe = folder / ".mode-probe-dir"
+    probe.mkdir()
+    mode = probe.stat().st_mode & 0o777
+    probe.rmdir()
+    return mode

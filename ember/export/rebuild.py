@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from ember import checkpoint
+from ember import checkpoint, stages
 from ember.config import ConfigError, import_target, instantiate
 from ember.config.targets import nested_target, wrong_kind
 from ember.trainer.setup import run_name
@@ -28,9 +28,6 @@ if TYPE_CHECKING:
 
 #: How many rows of a data batch become the example input.
 EXAMPLE_ROWS = 4
-
-_SETUP_STAGE = {"predict": "predict", "val": "validate", "test": "test", "train": "fit"}
-
 
 def find_checkpoint(ckpt: str, config: dict[str, Any] | None, module_class: str | None = None) -> Path:
     """The checkpoint directory ``--ckpt`` names: a path (a checkpoint directory or a ``last`` file), or
@@ -195,10 +192,10 @@ def example_input(module: TrainingModule, data_spec: dict[str, Any] | None) -> A
             f"{name} has no example_input_array and there is no data section to take a batch from; "
             "set self.example_input_array in __init__ (e.g. torch.zeros(2, 64)), or give the run's config with -c"
         )
-    for stage, setup_stage in _SETUP_STAGE.items():
-        if data.has_dataloader(stage):
-            data.setup(setup_stage)
-            loader = getattr(data, f"{stage}_dataloader")()
+    for stage in (stages.PREDICT, stages.VALIDATE, stages.TEST, stages.FIT):  # the data an export is likeliest fed
+        if data.has_dataloader(stage.loader):
+            data.setup(stage.name)
+            loader = getattr(data, f"{stage.loader}_dataloader")()
             batch = next(iter(loader[0] if isinstance(loader, (list, tuple)) else loader))
             inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
             return inputs[:EXAMPLE_ROWS] if isinstance(inputs, Tensor) and inputs.ndim else inputs

@@ -1,8 +1,9 @@
-"""Loggers: where metrics go. Heavy back ends (tensorboard, wandb) are imported when a run first writes."""
+"""Loggers: where metrics go. Heavy back ends (tensorboard, wandb, mlflow) are imported when a run first writes."""
 
 from ember.loggers.csv import CSVLogger
 from ember.loggers.logger import Logger
+from ember.loggers.mlflow import MLflowLogger
 from ember.loggers.tensorboard import TensorBoardLogger
 from ember.loggers.wandb import WandbLogger
 
-__all__ = ["CSVLogger", "Logger", "TensorBoardLogger", "WandbLogger"]
+__all__ = ["CSVLogger", "Logger", "MLflowLogger", "TensorBoardLogger", "WandbLogger"]

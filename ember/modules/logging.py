@@ -254,6 +254,8 @@ def _is_metric(value: Any) -> bool:
 
 def _as_scalar_tensor(name: str, value: Any) -> Tensor:
     if isinstance(value, Tensor):
+        if callable(getattr(value, "full_tensor", None)):  # a DTensor (a loss-parallel loss): its whole value
+            value = value.full_tensor()  # type: ignore[attr-defined]
         if value.numel() != 1:
             raise ValueError(
                 f"self.log({name!r}) needs a scalar; got a tensor of shape {tuple(value.shape)}. "

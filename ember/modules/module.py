@@ -13,6 +13,7 @@ A module may also define any hook of `ember.Callback`, without the
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import warnings
@@ -29,9 +30,31 @@ from ember.modules.hparams import AttributeDict, collect_init_args
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-    from ember.export import ExportResult
     from ember.modules.optimizers import ManualOptimizer
     from ember.trainer.trainer import Trainer
+
+
+class ExportMethod:
+    """A `TrainingModule` method that is ``ember.export.<function>`` with the module as its first argument.
+
+    ``module.to_onnx(path, ...)`` is ``ember.export.export_onnx(module, path, ...)``: the signature and the
+    docstring are the export function's (``help(module.to_onnx)`` shows them), and ``ember.export`` is
+    imported only when an export is called.
+    """
+
+    def __init__(self, function: str) -> None:
+        self.function = function
+        self.__doc__ = f"``ember.export.{function}`` with this module as its first argument."
+
+    def __get__(self, module: Any, owner: type | None = None) -> Any:
+        if module is None:
+            return self
+        import ember.export
+
+        function = getattr(ember.export, self.function)
+        bound = functools.partial(function, module)
+        functools.update_wrapper(bound, function)
+        return bound
 
 
 class TrainingModule(nn.Module):
@@ -314,69 +337,11 @@ class TrainingModule(nn.Module):
         self._manual_backward_fn(loss)
 
     # --- export ---------------------------------------------------------------------------
-    # Each export runs in eval mode on an example input (the argument, else `example_input_array`),
-    # checks the artifact it wrote against this module, and only then moves it into place; see
-    # `ember.export` and docs/export.md.
-    def to_onnx(
-        self,
-        path: str | os.PathLike[str],
-        example_input: Any = None,
-        dynamic_batch: bool = True,
-        *,
-        dynamic_shapes: Any = None,
-        atol: float | None = None,
-        rtol: float | None = None,
-    ) -> ExportResult:
-        """Export to ONNX at `path` and check it in ONNX Runtime (at two batch sizes when `dynamic_batch`);
-        `dynamic_shapes` (torch.export's form) replaces the dynamic batch."""
-        from ember.export import export_onnx
-
-        return export_onnx(
-            self, path, example_input, dynamic_batch, dynamic_shapes=dynamic_shapes, atol=atol, rtol=rtol
-        )
-
-    def to_torchscript(
-        self,
-        path: str | os.PathLike[str],
-        method: str = "script",
-        example_input: Any = None,
-        *,
-        atol: float | None = None,
-        rtol: float | None = None,
-    ) -> ExportResult:
-        """Save ``torch.jit.script`` (or, with ``method="trace"``, ``torch.jit.trace``) of this module at
-        `path` and check ``torch.jit.load(path)`` on the example input."""
-        from ember.export import export_torchscript
-
-        return export_torchscript(self, path, method, example_input, atol=atol, rtol=rtol)
-
-    def export_program(
-        self,
-        path: str | os.PathLike[str],
-        example_input: Any = None,
-        dynamic_batch: bool = True,
-        *,
-        dynamic_shapes: Any = None,
-        atol: float | None = None,
-        rtol: float | None = None,
-    ) -> ExportResult:
-        """Save ``torch.export.export`` of this module (a ``.pt2`` file) and check ``torch.export.load(path)``
-        (at two batch sizes when `dynamic_batch`); `dynamic_shapes` replaces the dynamic batch."""
-        from ember.export import export_program
-
-        return export_program(
-            self, path, example_input, dynamic_batch, dynamic_shapes=dynamic_shapes, atol=atol, rtol=rtol
-        )
-
-    def to_safetensors(
-        self,
-        path: str | os.PathLike[str],
-        example_input: Any = None,
-        *,
-        atol: float | None = None,
-        rtol: float | None = None,
-    ) -> ExportResult:
-        """Save the weights (``state_dict``) as safetensors and check them (and the outputs, given an example input)."""
-        from ember.export import export_safetensors
-
-        return export_safetensors(self, path, example_input, atol=atol, rtol=rtol)
+    # Each is an `ember.export` function with this module as its first argument (one signature, kept
+    # there): it runs in eval mode on an example input (the argument, else `example_input_array`),
+    # checks the artifact it wrote against this module, and only then moves it into place (docs/export.md).
+    to_onnx = ExportMethod("export_onnx")
+    to_torchscript = ExportMethod("export_torchscript")
+    export_program = ExportMethod("export_program")
+    to_safetensors = ExportMethod("export_safetensors")
+    to_hf = ExportMethod("export_hf")

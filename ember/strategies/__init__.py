@@ -1,8 +1,9 @@
 """Strategies (device placement, backward, optimizer step, collectives) and precision plugins.
 
-`Strategy` is one process on one device; `DDPStrategy` and `FSDPStrategy` run
-one process per device (see docs/distributed.md). The multi-process ones are
-imported on first use, so ``import ember`` stays light.
+`Strategy` is one process on one device; `DDPStrategy`, `FSDPStrategy` and
+`ModelParallelStrategy` (tensor parallel x FSDP2) run one process per device
+(see docs/distributed.md). The multi-process ones are imported on first use, so
+``import ember`` stays light.
 """
 
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from ember.strategies.precision import Precision
 from ember.strategies.strategy import Strategy
 
-__all__ = ["DDPStrategy", "FSDPStrategy", "Precision", "Strategy"]
+__all__ = ["DDPStrategy", "FSDPStrategy", "ModelParallelStrategy", "Precision", "Strategy"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,4 +23,8 @@ def __getattr__(name: str) -> Any:
         from ember.strategies.fsdp import FSDPStrategy
 
         return FSDPStrategy
+    if name == "ModelParallelStrategy":
+        from ember.strategies.model_parallel import ModelParallelStrategy
+
+        return ModelParallelStrategy
     raise AttributeError(f"module 'ember.strategies' has no attribute {name!r}")

@@ -29,12 +29,42 @@ def repeated_block_classes(module: nn.Module) -> tuple[type[nn.Module], ...]:
     return tuple(cls for cls, n in counts.items() if n >= 2)
 
 
+def transformer_block_classes(module: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The transformer blocks of Hugging Face models in `module` (``GPT2Block``, ``BertLayer``, ...): classes
+    named in a submodule's ``_no_split_modules`` (transformers' list of modules that must stay whole) that
+    occur at least twice. Embeddings named there (``BertEmbeddings``) occur once and stay in the root."""
+    names: set[str] = set()
+    for sub in module.modules():
+        declared = getattr(sub, "_no_split_modules", None)
+        if isinstance(declared, (list, tuple, set, frozenset)):
+            names.update(str(name) for name in declared)
+    counts = Counter(type(sub) for sub in module.modules() if type(sub).__name__ in names)
+    return tuple(cls for cls, n in counts.items() if n >= 2)
+
+
+def outermost_blocks(module: nn.Module, classes: tuple[type[nn.Module], ...]) -> list[nn.Module]:
+    """The submodules of `module` that are instances of `classes`, except those inside another such one.
+
+    A transformer repeats its layers and, inside each, its attention: the layers are the shard units. (FSDP2
+    would also take nested units, but only applied inner first; a unit inside a sharded one is an error.)
+    """
+    found: list[nn.Module] = []
+    inside: list[str] = []
+    for name, sub in module.named_modules():
+        if sub is module or any(name.startswith(prefix) for prefix in inside) or not isinstance(sub, classes):
+            continue
+        found.append(sub)
+        inside.append(f"{name}.")
+    return found
+
+
 class FSDPStrategy(ParallelStrategy):
     """Fully sharded data parallel (FSDP2) over torch.distributed.
 
     - ``shard_classes``: module classes that become their own shard unit
-      (default: the repeated blocks, see `repeated_block_classes`); the root is
-      always sharded too.
+      (default: the transformer blocks of a Hugging Face model, see
+      `transformer_block_classes`, else the repeated blocks, see
+      `repeated_block_classes`); the root is always sharded too.
     - ``reshard_after_forward``: free gathered parameters after forward (less
       memory) or keep them for backward (less communication).
     - ``param_dtype`` / ``reduce_dtype``: FSDP's mixed precision policy.
@@ -44,10 +74,15 @@ class FSDPStrategy(ParallelStrategy):
     - ``replicate_degree``: > 1 gives HSDP: shards inside groups of
       ``world_size / replicate_degree`` processes, replicas across groups.
 
+    ``training_step`` runs as an FSDP forward of the root, and evaluation
+    gathers every shard unit first, so steps may call submodules directly
+    (``self.model(input_ids=...)``) rather than ``self(...)``.
+
     A module with a ``configure_model()`` method has it called on the meta
     device, so a model too large for one process is never materialised whole;
     its parameters are then allocated sharded and initialised with each
-    submodule's ``reset_parameters()``.
+    submodule's ``reset_parameters()``. (A ``configure_model(device_mesh)``
+    applies a tensor-parallel plan for `ModelParallelStrategy`; FSDP skips it.)
     """
 
     def __init__(
@@ -87,11 +122,20 @@ class FSDPStrategy(ParallelStrategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         from torch.distributed._composable import checkpoint
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+            register_fsdp_forward_method,
+        )
 
         if self._module is module:  # sharded by an earlier fit/validate/test of this trainer
             return module
-        build_on_meta = callable(getattr(module, "configure_model", None))
+        from ember.strategies.model_parallel import hook_takes_mesh
+
+        # configure_model(device_mesh) is ModelParallelStrategy's hook (a tensor-parallel plan): not called here.
+        build_on_meta = hook_takes_mesh(module) is False
         if build_on_meta:
             with torch.device("meta"):
                 module.configure_model()  # type: ignore[operator]
@@ -105,14 +149,21 @@ class FSDPStrategy(ParallelStrategy):
             "mp_policy": MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype),
             "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
         }
-        classes = self.shard_classes if self.shard_classes is not None else repeated_block_classes(module)
+        classes = self.shard_classes
+        if classes is None:
+            classes = transformer_block_classes(module) or repeated_block_classes(module)
         for sub in list(module.modules()):
             if sub is not module and isinstance(sub, self.activation_checkpointing):
                 checkpoint(sub)
-        self._blocks = [sub for sub in module.modules() if sub is not module and isinstance(sub, classes)]
+        self._blocks = outermost_blocks(module, classes)
         for sub in self._blocks:
             fully_shard(sub, **options)
         fully_shard(module, **options)
+        # training_step runs inside the root's forward hooks, so a step that calls a submodule directly
+        # (``self.model(input_ids=...)``, as with Hugging Face models) still gathers the root's shards and
+        # reduce-scatters their gradients. (A step that calls ``self(...)`` runs the root's hooks twice; FSDP
+        # then frees the root's parameters after the step and gathers them again for backward.)
+        register_fsdp_forward_method(module, "training_step")
         if build_on_meta:
             module.to_empty(device="cpu" if self.cpu_offload else self.root_device)
             for sub in module.modules():
@@ -141,6 +192,10 @@ class FSDPStrategy(ParallelStrategy):
         from torch.distributed.fsdp import FSDPModule
 
         units = [m for m in (self._module.modules() if self._module is not None else []) if isinstance(m, FSDPModule)]
+        if units:
+            # FSDP takes the first unit whose forward runs for the root; an evaluation before any training step
+            # whose step calls a block directly (``self.model(...)``) must not make that block the root.
+            units[0]._get_fsdp_state()._lazy_init()
         for unit in units:
             unit.set_reshard_after_forward(False)
             unit.unshard()

@@ -41,6 +41,25 @@ class EvalDistributedSampler(Sampler[int]):
         return len(range(self.rank, self.length, self.num_replicas))
 
 
+def rebuilt_loader(loader: DataLoader[Any], **changes: Any) -> DataLoader[Any]:
+    """A new DataLoader like `loader` (dataset, batch size, workers, collate, generator, ...) with `changes`
+    (a ``sampler``, a ``batch_size``, ``shuffle``...): DataLoader forbids changing these on a built one."""
+    kept: dict[str, Any] = {
+        "batch_size": loader.batch_size,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "drop_last": loader.drop_last,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "prefetch_factor": loader.prefetch_factor,
+        "persistent_workers": loader.persistent_workers,
+    }
+    return DataLoader(loader.dataset, **{**kept, **changes})
+
+
 class ParallelStrategy(Strategy):
     """Base of the multi-process strategies; one process per device.
 
@@ -87,6 +106,12 @@ class ParallelStrategy(Strategy):
     @property
     def world_size_requested(self) -> int:
         return self.devices * self.num_nodes
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """``num_replicas`` and ``rank`` of this process's data shard: every process has its own (the
+        model-parallel strategy shares one shard among the processes of a tensor-parallel group)."""
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     def needs_launch(self) -> bool:
         """True when ``devices > 1`` was asked for but no launcher started the processes."""
@@ -153,28 +178,21 @@ class ParallelStrategy(Strategy):
         if type(loader.sampler) not in (RandomSampler, SequentialSampler):
             return loader  # a custom sampler: the user decides
         dataset = loader.dataset
+        shard = self.distributed_sampler_kwargs
         sampler: Sampler[int]
         if training:
             shuffle = isinstance(loader.sampler, RandomSampler)
             seed = int(os.environ.get("EMBER_SEED", 0))
-            sampler = DistributedSampler(dataset, self.world_size, self.global_rank, shuffle=shuffle, seed=seed)
+            sampler = DistributedSampler(
+                dataset, num_replicas=shard["num_replicas"], rank=shard["rank"], shuffle=shuffle, seed=seed
+            )
         else:
-            sampler = EvalDistributedSampler(len(dataset), self.world_size, self.global_rank)  # type: ignore[arg-type]
-        return DataLoader(
-            dataset,
-            batch_size=loader.batch_size,
-            sampler=sampler,
-            num_workers=loader.num_workers,
-            collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory,
-            drop_last=loader.drop_last,
-            timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context,
-            generator=loader.generator,
-            prefetch_factor=loader.prefetch_factor,
-            persistent_workers=loader.persistent_workers,
-        )
+            sampler = EvalDistributedSampler(len(dataset), **shard)  # type: ignore[arg-type]
+        distributed = rebuilt_loader(loader, sampler=sampler)
+        # The sampler it replaces: a checkpoint written by one process replays its order to continue an
+        # interrupted epoch on several (ember.trainer.data_position).
+        distributed.ember_source_sampler = loader.sampler
+        return distributed
 
     # --- collectives --------------------------------------------------------
     def reduce(self, tensor: Tensor, reduce_fx: str = "mean") -> Tensor:
@@ -233,11 +251,11 @@ class ParallelStrategy(Strategy):
         make up the interval at its step time, and all take the smallest, so
         every process reads the result, and stops, at the same boundary.
         """
-        if not dist.is_initialized() or self.world_size == 1:
-            return local
-        self._boundaries_to_exchange -= 1
+        self._boundaries_to_exchange -= 1  # first: most boundaries end here, without a call into torch
         if self._boundaries_to_exchange > 0:
             return False
+        if not dist.is_initialized() or self.world_size == 1:
+            return local
         now = time.perf_counter()
         stop, interval = False, 1
         if self._flag_work is not None:

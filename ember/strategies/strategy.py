@@ -226,6 +226,11 @@ class Strategy:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
 
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """``num_replicas`` and ``rank`` of this process's data shard (one process: the whole data)."""
+        return {"num_replicas": 1, "rank": 0}
+
     def check_same_batch_count(self, count: float) -> None:
         """Several processes must train on the same number of batches per epoch; one process always does."""
 

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ember import checkpoint as ckpt
 from ember.strategies import launcher
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from ember.callbacks.model_checkpoint import ModelCheckpoint
     from ember.modules.module import TrainingModule
+    from ember.trainer.loop import FitLoop
     from ember.trainer.trainer import Trainer
 
 def info(trainer: Trainer, message: str) -> None:
@@ -110,7 +111,7 @@ class CheckpointWriter:
         """
         if self.pending:
             try:
-                trainer._finite_guard.check()
+                trainer.finite_guard.check()
             except BaseException:
                 self.pending.clear()
                 raise
@@ -125,7 +126,7 @@ class CheckpointWriter:
             snapshot = state.gather(trainer, module, req.weights_only, copy=req.async_save, staging=staging)
             if req.async_save:
                 self._start(req, functools.partial(self._write, req, snapshot), snapshot.rank, low_priority=True)
-            elif trainer._in_train_loop and snapshot.world_size == 1:
+            elif trainer.training and snapshot.world_size == 1:
                 self._start(req, state.stage(req.path, snapshot, req.set_last).finish, 0, low_priority=False)
             else:
                 self._write(req, snapshot)
@@ -196,13 +197,15 @@ def _telling_loggers(trainer: Trainer, on_done: OnDone | None) -> OnDone:
     return done
 
 
-def resume(trainer: Trainer, module: TrainingModule, path: Path) -> dict[str, Any]:
-    """Restore everything from `path`; returns this process's state (random streams, data position)
-    for the loop to put back when training continues."""
+def resume(loop: FitLoop, path: Path) -> None:
+    """Restore everything from checkpoint `path` into the fit `loop` belongs to; the loop keeps this process's
+    state (random streams, data position) for when training continues."""
+    trainer = loop.trainer
     loaded = state.load(path, trainer.global_rank, trainer.world_size)
-    state.restore(trainer, module, loaded)
-    trainer.epoch_start_state = loaded.rank_state.get("epoch_start")
-    return loaded.rank_state
+    state.restore(trainer, loop.module, loaded)
+    loop.resumed_from = path
+    loop.resume_state = loaded.rank_state
+    loop.epoch_start_state = loaded.rank_state.get("epoch_start")
 
 
 def load_weights(trainer: Trainer, module: TrainingModule, path: Path) -> None:
@@ -214,9 +217,9 @@ def load_weights(trainer: Trainer, module: TrainingModule, path: Path) -> None:
 
 def finish_writes_quietly(trainer: Trainer) -> None:
     """On the way out of a failed run: let an in-flight write finish; report (not raise) its error."""
-    trainer._writer.pending.clear()
+    trainer.checkpoint_writer.pending.clear()
     try:
-        trainer._writer.release()
+        trainer.checkpoint_writer.release()
     except RuntimeError as exc:
         print(f"ember: {exc}", file=sys.stderr, flush=True)
 
@@ -238,7 +241,7 @@ def handle_preemption(trainer: Trainer, module: TrainingModule, signum: int) -> 
         info(trainer, f"received {name}: fast_dev_run saves no checkpoint; stopping at step {trainer.global_step}")
     else:
         info(trainer, f"received {name}: saving a checkpoint at step {trainer.global_step}")
-    trainer._writer.wait()
+    trainer.checkpoint_writer.wait()
     saver = resumable_saver(trainer)
     if trainer.fast_dev_run:
         pass
@@ -247,11 +250,11 @@ def handle_preemption(trainer: Trainer, module: TrainingModule, signum: int) -> 
     else:
         path = trainer.run_dir / ckpt.CHECKPOINT_SUBDIR / f"preempted-step={trainer.global_step}"
         if not path.exists():
-            trainer._writer.request(path, False, False, True, None)
-    for request in trainer._writer.pending:
+            trainer.checkpoint_writer.request(path, False, False, True, None)
+    for request in trainer.checkpoint_writer.pending:
         request.async_save = False  # the process is about to exit: write now
-    trainer._writer.flush(trainer, module)
-    trainer._writer.wait()
+    trainer.checkpoint_writer.flush(trainer, module)
+    trainer.checkpoint_writer.wait()
     launcher.mark_preempted(trainer.global_rank)  # under `devices=N`: the launcher exits 75 once all have saved
     job = signals.slurm_job_to_requeue()
     if job is not None and trainer.is_global_zero:
@@ -261,11 +264,11 @@ def handle_preemption(trainer: Trainer, module: TrainingModule, signum: int) -> 
 
 def at_boundary(trainer: Trainer, module: TrainingModule) -> None:
     """A step or epoch boundary: write pending checkpoints; act on a preemption signal."""
-    received = trainer._preemption.received
+    received = trainer.preemption.received
     if trainer.strategy.preemption_requested(received is not None):
         handle_preemption(trainer, module, received or signal.SIGTERM)
-    if trainer._writer.pending:
-        trainer._writer.flush(trainer, module)
+    if trainer.checkpoint_writer.pending:
+        trainer.checkpoint_writer.flush(trainer, module)
 
 
 def save_stop_point(trainer: Trainer, module: TrainingModule) -> None:
@@ -279,4 +282,4 @@ def save_stop_point(trainer: Trainer, module: TrainingModule) -> None:
     saver = resumable_saver(trainer)
     if saver is not None:
         saver.save_for_preemption(trainer)
-        trainer._writer.flush(trainer, module)
+        trainer.checkpoint_writer.flush(trainer, module)

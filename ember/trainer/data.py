@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ember import stages
 from ember.modules.datamodule import DataModule
-
-#: Trainer stage -> the DataModule method prefix that feeds it.
-_LOADER_PREFIX = {"train": "train", "validation": "val", "test": "test", "predict": "predict"}
 
 
 def check_limit(name: str, value: float | int) -> None:
@@ -29,10 +28,7 @@ def num_batches(loader: Iterable[Any], limit: float | int, name: str = "limit_*_
 
     `name` is the option the limit came from, for the error messages.
     """
-    try:
-        length: float = len(loader)  # type: ignore[arg-type]
-    except TypeError:
-        length = math.inf
+    length = loader_length(loader)
     if isinstance(limit, int):
         return min(length, limit)
     if limit == 1.0:
@@ -49,10 +45,54 @@ def num_batches(loader: Iterable[Any], limit: float | int, name: str = "limit_*_
 
 
 def limited(loader: Iterable[Any], count: float) -> Iterator[Any]:
-    """Iterate `loader` once, stopping after `count` batches (the iterator is made exactly once)."""
-    if math.isinf(count):
+    """Iterate `loader` once, stopping after `count` batches (the iterator is made exactly once).
+
+    When `count` is the loader's whole length the loader is iterated to its end, as a ``for`` loop
+    does: the sampler's last draw (e.g. ``RandomSampler``'s final ``randperm``) then happens.
+    """
+    if math.isinf(count) or count == loader_length(loader):
         return iter(loader)
     return itertools.islice(loader, int(count))
+
+
+def loader_length(loader: Any) -> float:
+    """``len(loader)``, or inf for a loader without a length."""
+    try:
+        return len(loader)
+    except TypeError:
+        return math.inf
+
+
+def finish_epoch(iterator: Iterator[Any], loader: Any) -> None:
+    """Ask the epoch's iterator once more after its last batch, as a ``for`` loop over the loader does.
+
+    That call ends the sampler's iteration, which may still draw: when the dataset size is a multiple
+    of the batch size, the last batch is complete before ``RandomSampler.__iter__`` has run to its end,
+    and its final ``torch.randperm(n, generator=...)`` advances the loader's generator. Without it every
+    later epoch is shuffled differently from a plain loop's. Runs only for an epoch that reached its
+    last batch and was not cut short by ``limit_train_batches`` (one call per epoch, outside the step loop).
+    """
+    extra = next(iterator, _END)
+    if extra is not _END:
+        warnings.warn(
+            f"the training DataLoader yielded more batches than its len() ({loader_length(loader)}); ember used "
+            "the first len() of them in this epoch. Make the dataset's __len__ match what it yields.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+_END = object()
+
+
+def set_epoch(loader: Any, epoch: int) -> None:
+    """Call ``set_epoch(epoch)`` on the dataset and samplers that have it (seeded augmentation, distributed)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    owners = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
+    targets = {id(obj): obj for obj in (getattr(loader, "dataset", None), *owners[1:]) if obj is not None}
+    for obj in targets.values():
+        if callable(getattr(obj, "set_epoch", None)):
+            obj.set_epoch(epoch)
 
 
 def as_list(loaders: Any) -> list[Any]:
@@ -64,11 +104,13 @@ def as_list(loaders: Any) -> list[Any]:
 
 
 def resolve_loaders(stage: str, given: Any, datamodule: DataModule | None) -> list[Any]:
-    """Dataloaders for `stage`: passed directly, else from the datamodule, else none."""
+    """Dataloaders for the loop `stage` ("train", "validation", ...): passed directly, else from the
+    datamodule, else none."""
     if given is not None:
         return as_list(given)
-    if datamodule is not None and datamodule.has_dataloader(_LOADER_PREFIX[stage]):
-        return as_list(getattr(datamodule, f"{_LOADER_PREFIX[stage]}_dataloader")())
+    prefix = stages.by_loop(stage).loader
+    if datamodule is not None and datamodule.has_dataloader(prefix):
+        return as_list(getattr(datamodule, f"{prefix}_dataloader")())
     return []
 
 

@@ -1,274 +1,50 @@
-"""The loops: fit (epochs of batches with validation) and evaluation (validate/test/predict).
+"""The fit loop: epochs of batches, validation cadence, stop conditions, every training hook call site.
 
-Every hook call site is in this file or in `optimization.py`; the order is
+`FitLoop` owns the state of one fit that is not options and not checkpointed progress: the open
+accumulation window, whether training runs, the clock, the epoch plan, the resumed data position. The
+trainer exposes what callbacks need of it through read-only properties. One optimizer step is
+`optimization.optimizer_step`; evaluation is `evaluation.run_evaluation`. The order of every hook is
 documented in docs/hooks.md and pinned by tests/unit/trainer/test_hook_order.py.
 """
 
 from __future__ import annotations
 
 import math
-import random
-import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
-
 from ember.trainer.checkpointing import at_boundary, save_stop_point
-from ember.trainer.data import EpochPlan, limited
-from ember.trainer.optimization import (
-    detached,
-    loss_of,
-    optimizer_step,
-    run_training_batch,
-    step_schedulers,
-    steps_are_plain,
+from ember.trainer.data import (
+    EpochPlan,
+    check_not_empty,
+    finish_epoch,
+    loader_length,
+    num_batches,
+    resolve_loaders,
+    set_epoch,
 )
+from ember.trainer.data_position import open_rest_of_epoch, same_layout
+from ember.trainer.evaluation import validate_in_fit
+from ember.trainer.optimization import detached, optimizer_step, plain_step, run_training_batch, step_schedulers
 from ember.trainer.resume import (
     capture_epoch_start,
     islice_from,
+    open_positioned,
     open_resumed_epoch,
     restore_loader_generators,
     restore_rng,
+    reuses_workers,
+    warn_if_workers_miss_set_epoch,
 )
 
 if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
 
-
-def run_fit(trainer: Trainer, module: TrainingModule, train_loader: Any, val_loaders: list[Any]) -> None:
-    hooks = trainer.hooks
-    hooks.on_fit_start()
-    steps = math.inf if trainer.num_sanity_val_steps == -1 else trainer.num_sanity_val_steps
-    sanity_limits = [min(steps, n) for n in trainer.num_val_batches]  # limit_val_batches caps it
-    if any(sanity_limits):
-        trainer.sanity_checking = True
-        try:
-            hooks.on_sanity_check_start()
-            validate_in_fit(trainer, module, val_loaders, sanity_limits)
-            hooks.on_sanity_check_end()
-        finally:
-            trainer.sanity_checking = False
-    module.train()
-    hooks.on_train_start()
-    trainer._in_train_loop = True
-    try:
-        while not trainer._fit_is_done():
-            run_train_epoch(trainer, module, train_loader, val_loaders)
-    finally:
-        trainer._in_train_loop = False
-    hooks.on_train_end()
-    hooks.on_fit_end()
-
-
-def run_train_epoch(trainer: Trainer, module: TrainingModule, loader: Any, val_loaders: list[Any]) -> None:
-    hooks, progress, collector = trainer.hooks, trainer.progress, trainer.train_collector
-    plan: EpochPlan = trainer.epoch_plan
-    validates = any(trainer.num_val_batches) and (progress.epoch + 1) % trainer.check_val_every_n_epoch == 0
-    start = progress.batch_idx  # > 0 only when resuming inside this epoch
-    if start == 0:
-        collector.start_epoch("train")
-        progress.validated_after = -1
-    hooks.on_train_epoch_start()
-    batches = islice_from(open_epoch(trainer, loader, start), start, plan.num_batches)
-    plain = steps_are_plain(trainer, module)  # decided after the epoch-start hooks, which may change the options
-    (run_plain_batches if plain else run_batches)(trainer, module, batches, val_loaders if validates else None)
-    if trainer._window_has_grads:  # a loader without a length ended inside an accumulation window
-        optimizer_step(trainer, trainer.optimizers[0])
-    last = progress.batch_idx - 1
-    if validates and last >= 0 and progress.validated_after != last:  # stopped early: evaluate the final weights
-        validate_after(trainer, module, val_loaders, last)
-    epoch_values = collector.epoch_values()
-    trainer._epoch_metrics.update(epoch_values)  # visible in on_train_epoch_end and to epoch schedulers
-    hooks.on_train_epoch_end()
-    trainer._log_epoch_metrics({**epoch_values, **collector.epoch_values()})  # + values logged in the hook
-    if trainer._automatic:
-        step_schedulers(trainer, "epoch")
-    progress.epoch += 1
-    progress.batch_idx = 0
-    at_boundary(trainer, module)
-
-
-def run_batches(trainer: Trainer, module: TrainingModule, batches: Any, val_loaders: list[Any] | None) -> None:
-    """An epoch's training batches, with every hook and option. `val_loaders` is None when it does not validate."""
-    hooks, progress, collector, plan = trainer.hooks, trainer.progress, trainer.train_collector, trainer.epoch_plan
-    to_device, log_every = trainer.strategy.batch_to_device, trainer.log_every_n_steps
-    wants_outputs = hooks.implemented("on_train_batch_end")
-    for batch_idx, batch in batches:
-        batch = to_device(batch)
-        collector.current_batch = batch
-        hooks.on_train_batch_start(batch, batch_idx)
-        steps_before = progress.global_step
-        ends_window = plan.ends_window(batch_idx)
-        output = run_training_batch(trainer, module, batch, batch_idx, plan.window_size(batch_idx), ends_window)
-        progress.batch_idx = batch_idx + 1
-        if progress.global_step != steps_before and progress.global_step % log_every == 0:
-            trainer._log_metrics(trainer._step_metrics())
-        hooks.on_train_batch_end(detached(output) if wants_outputs else None, batch, batch_idx)
-        if val_loaders is not None and plan.validates_after(batch_idx):
-            validate_after(trainer, module, val_loaders, batch_idx)
-        if ends_window and window_ended(trainer, module, batch_idx):
-            break
-
-
-def run_plain_batches(trainer: Trainer, module: TrainingModule, batches: Any, val_loaders: list[Any] | None) -> None:
-    """`run_batches` when `steps_are_plain`.
-
-    The same work in the same order, without the calls that would all be
-    no-ops: each batch is its hooks, one ``training_step``, ``backward()``,
-    ``step()`` and ``zero_grad()``. Equivalence with `run_batches` is pinned by
-    tests/unit/trainer/test_plain_loop.py.
-    """
-    hooks, progress, collector, plan = trainer.hooks, trainer.progress, trainer.train_collector, trainer.epoch_plan
-    starts, ends = hooks.implemented("on_train_batch_start"), hooks.implemented("on_train_batch_end")
-    strategy = trainer.strategy
-    to_device = None if strategy.batches_stay_put else strategy.batch_to_device
-    training_step, optimizer, log_every = module.training_step, trainer.optimizers[0], trainer.log_every_n_steps
-    step_schedulers_due = any(config.interval == "step" for config in trainer.lr_scheduler_configs)
-    for batch_idx, batch in batches:
-        if to_device is not None:
-            batch = to_device(batch)
-        collector.current_batch = batch
-        if starts:
-            hooks.on_train_batch_start(batch, batch_idx)
-        output = training_step(batch, batch_idx)
-        loss = output if type(output) is Tensor else loss_of(output)
-        if loss is not None:
-            try:
-                loss.backward()
-            except RuntimeError:
-                loss_of(output)  # a loss that is not a scalar or has no graph: ember's clearer error
-                raise
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            progress.global_step += 1
-            if step_schedulers_due:
-                step_schedulers(trainer, "step")
-        progress.batch_idx = batch_idx + 1
-        if loss is not None and progress.global_step % log_every == 0:
-            trainer._log_metrics(trainer._step_metrics())
-        if ends:
-            hooks.on_train_batch_end(detached(output), batch, batch_idx)
-        if val_loaders is not None and plan.validates_after(batch_idx):
-            validate_after(trainer, module, val_loaders, batch_idx)
-        if window_ended(trainer, module, batch_idx):
-            break
-
-
-def window_ended(trainer: Trainer, module: TrainingModule, batch_idx: int) -> bool:
-    """A step boundary after `batch_idx`: write pending checkpoints, act on preemption; whether to stop the epoch."""
-    at_boundary(trainer, module)
-    if not trainer._should_stop_in_epoch():
-        return False
-    if not trainer.epoch_plan.is_last(batch_idx):  # cut short: `last` must name this step, not the epoch end
-        save_stop_point(trainer, module)
-    return True
-
-
-def open_epoch(trainer: Trainer, loader: Any, start: int) -> Iterator[Any]:
-    """The epoch's batch iterator; on resume, positioned after `start` batches with the step's RNG restored."""
-    resumed, trainer._resume_state = trainer._resume_state, None
-    set_epoch(loader, trainer.progress.epoch)
-    if start == 0:
-        if resumed is not None:  # resuming at an epoch boundary
-            restore_rng(resumed["rng"])
-            if "loader_generators" in resumed:
-                restore_loader_generators(loader, resumed["loader_generators"])
-        trainer.epoch_start_state = capture_epoch_start(loader)
-        return iter(loader)
-    assert resumed is not None, "a run inside an epoch always comes from a checkpoint"
-    return open_resumed_epoch(loader, start, trainer.epoch_start_state, resumed)
-
-
-def set_epoch(loader: Any, epoch: int) -> None:
-    """Call ``set_epoch(epoch)`` on the dataset and samplers that have it (seeded augmentation, distributed)."""
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    owners = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
-    targets = {id(obj): obj for obj in (getattr(loader, "dataset", None), *owners[1:]) if obj is not None}
-    for obj in targets.values():
-        if callable(getattr(obj, "set_epoch", None)):
-            obj.set_epoch(epoch)
-
-
-def validate_after(trainer: Trainer, module: TrainingModule, loaders: list[Any], batch_idx: int) -> None:
-    """The validation due after training batch `batch_idx` (recorded first, so a checkpoint inside counts it)."""
-    trainer.progress.validated_after = batch_idx
-    validate_in_fit(trainer, module, loaders, trainer.num_val_batches)
-
-
-def validate_in_fit(trainer: Trainer, module: TrainingModule, loaders: list[Any], limits: list[float]) -> None:
-    """Validation inside fit, leaving every random stream as it found it.
-
-    Iterating a DataLoader without its own ``generator`` draws a seed from the
-    global torch RNG, and a validation step may draw too; restoring the state
-    keeps training (dropout, augmentation, shuffling) identical to a run that
-    never validates.
-    """
-    py_state, np_state = random.getstate(), _numpy_state()
-    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    try:
-        with torch.random.fork_rng(devices=cuda):
-            run_evaluation(trainer, module, "validation", loaders, limits)
-    finally:
-        random.setstate(py_state)
-        if np_state is not None:
-            sys.modules["numpy"].random.set_state(np_state)
-
-
-def _numpy_state() -> Any:
-    np = sys.modules.get("numpy")  # only if the program uses numpy at all
-    return np.random.get_state() if np is not None else None
-
-
-_STEP_METHOD = {"validation": "validation_step", "test": "test_step", "predict": "predict_step"}
-
-
-def run_evaluation(
-    trainer: Trainer, module: TrainingModule, stage: str, loaders: list[Any], limits: list[float]
-) -> list[Any]:
-    """Run `stage` ("validation", "test" or "predict") over `loaders`.
-
-    Returns the predictions per dataloader for "predict", else one dict of
-    epoch metrics (floats) per dataloader. Train/eval mode of every submodule
-    is restored afterwards, so a backbone frozen in eval mode stays that way.
-    """
-    hooks, collector = trainer.hooks, trainer.eval_collector
-    step_fn = getattr(module, _STEP_METHOD[stage])
-    trainer.num_eval_batches = list(limits)  # progress bars show n/total
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
-    trainer.collector = collector
-    try:  # an exception (a KeyboardInterrupt included) leaves the collector and the modes as they were
-        collector.start_epoch(stage)
-        predictions: list[list[Any]] = [[] for _ in loaders]
-        hooks.on_eval_start(stage)
-        hooks.on_eval_epoch_start(stage)
-        with torch.no_grad(), trainer.strategy.eval_context():
-            for dl_idx, loader in enumerate(loaders):
-                extra = (dl_idx,) if len(loaders) > 1 else ()
-                collector.suffix = f"/dataloader_idx_{dl_idx}" if extra else ""
-                for batch_idx, batch in enumerate(limited(loader, limits[dl_idx])):
-                    batch = trainer.strategy.batch_to_device(batch)
-                    collector.current_batch = batch
-                    hooks.on_eval_batch_start(stage, batch, batch_idx, dl_idx)
-                    with trainer.strategy.forward_context():
-                        output = step_fn(batch, batch_idx, *extra)
-                    if stage == "predict":
-                        predictions[dl_idx].append(output)
-                    hooks.on_eval_batch_end(stage, output, batch, batch_idx, dl_idx)
-        hooks.on_eval_epoch_end(stage)
-        results = trainer._finish_eval(collector.epoch_values(), len(loaders))
-        hooks.on_eval_end(stage)
-    finally:
-        collector.suffix = ""
-        collector.current_batch = None
-        trainer.collector = trainer.train_collector
-        for submodule, training in modes:
-            submodule.training = training
-    return predictions if stage == "predict" else results
+#: A training step for one batch: ``step(batch, batch_idx) -> training_step's output``.
+StepFn = Callable[[Any, int], Any]
 
 
 class Clock:
@@ -280,3 +56,206 @@ class Clock:
 
     def expired(self) -> bool:
         return self.max_time_s is not None and time.monotonic() - self.start >= self.max_time_s
+
+
+class FitLoop:
+    """One ``Trainer.fit``: its loaders, its epoch plan and the state the loop keeps while it runs."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        module: TrainingModule,
+        train_loader: Any,
+        val_loaders: list[Any],
+        plan: EpochPlan,
+        num_val_batches: list[float],
+    ) -> None:
+        self.trainer, self.module = trainer, module
+        self.train_loader, self.val_loaders = train_loader, val_loaders
+        self.plan, self.num_val_batches = plan, num_val_batches
+        self.progress = trainer.progress
+        #: Whether the current accumulation window has gradients that no optimizer step has used yet.
+        self.window_has_grads = False
+        #: True while epochs run (between ``on_train_start`` and ``on_train_end``): saves wait for a boundary.
+        self.running = False
+        self.clock = Clock(trainer.options.max_time_s)
+        #: The checkpoint fit resumed from, and this process's state from it (until the first epoch opens).
+        self.resumed_from: Path | None = None
+        self.resume_state: dict[str, Any] | None = None
+        #: Generator states the current epoch's DataLoader iterator drew from (for exact resume).
+        self.epoch_start_state: dict[str, Any] | None = None
+
+    @classmethod
+    def build(cls, trainer: Trainer, module: TrainingModule, train: Any, val: Any, datamodule: Any) -> FitLoop:
+        """The loop of a fit: its loaders (given, or the datamodule's; distributed by the strategy), its epoch
+        plan and its validation sizes. Every process must train on the same number of batches."""
+        options, strategy = trainer.options, trainer.strategy
+        train_loaders = resolve_loaders("train", train, datamodule)
+        if not train_loaders:
+            raise ValueError("fit needs training data: pass train_dataloaders or a datamodule with train_dataloader()")
+        if len(train_loaders) > 1:
+            raise ValueError("fit takes one training dataloader; combine datasets into one loader")
+        val_loaders = resolve_loaders("validation", val, datamodule)
+        check_not_empty("train", train_loaders)
+        check_not_empty("validation", val_loaders)
+        train_loader = strategy.distribute_loader(train_loaders[0], training=True)
+        val_loaders = [strategy.distribute_loader(v, training=False) for v in val_loaders]
+        count = num_batches(train_loader, options.limit_train_batches, "limit_train_batches")
+        plan = EpochPlan.build(count, options.accumulate_grad_batches, options.val_check_interval)
+        strategy.check_same_batch_count(plan.num_batches)
+        num_val = [num_batches(v, options.limit_val_batches, "limit_val_batches") for v in val_loaders]
+        return cls(trainer, module, train_loader, val_loaders, plan, num_val)
+
+    # --- stop conditions ---------------------------------------------------------------------
+    def should_stop_in_epoch(self) -> bool:
+        trainer = self.trainer
+        return (
+            trainer.should_stop
+            or 0 <= trainer.max_steps <= self.progress.global_step
+            or (self.clock.max_time_s is not None and self.clock.expired())
+        )
+
+    def is_done(self) -> bool:
+        max_epochs = self.trainer.max_epochs
+        return (max_epochs is not None and self.progress.epoch >= max_epochs) or self.should_stop_in_epoch()
+
+    # --- the loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        trainer, module, hooks = self.trainer, self.module, self.trainer.hooks
+        hooks.on_fit_start()
+        steps = math.inf if trainer.num_sanity_val_steps == -1 else trainer.num_sanity_val_steps
+        sanity_limits = [min(steps, n) for n in self.num_val_batches]  # limit_val_batches caps it
+        if any(sanity_limits):
+            trainer.sanity_checking = True
+            try:
+                hooks.on_sanity_check_start()
+                validate_in_fit(trainer, module, self.val_loaders, sanity_limits)
+                hooks.on_sanity_check_end()
+            finally:
+                trainer.sanity_checking = False
+        warn_if_workers_miss_set_epoch(self.train_loader)
+        module.train()
+        hooks.on_train_start()
+        self.running = True
+        try:
+            while not self.is_done():
+                self.run_epoch()
+        finally:
+            self.running = False
+        hooks.on_train_end()
+        hooks.on_fit_end()
+
+    def run_epoch(self) -> None:
+        trainer, module, progress, plan = self.trainer, self.module, self.progress, self.plan
+        hooks, collector = trainer.hooks, trainer.train_collector
+        validates = any(self.num_val_batches) and (progress.epoch + 1) % trainer.check_val_every_n_epoch == 0
+        start = progress.batch_idx  # > 0 only when resuming inside this epoch
+        if start == 0:
+            collector.start_epoch("train")
+            progress.validated_after = -1
+        hooks.on_train_epoch_start()
+        iterator = self.open_epoch(start)
+        start = progress.batch_idx  # renumbered when the rest of an epoch is split across another world size
+        batches = islice_from(iterator, start, plan.num_batches)
+        if trainer.profiler is not None:  # once per epoch: the batches' fetch times (ember/tuning/profiler.py)
+            batches = trainer.profiler.time_batches(batches)
+        self.run_batches(batches, validates)
+        if progress.batch_idx == plan.num_batches == loader_length(self.train_loader):  # not cut by a limit
+            finish_epoch(iterator, self.train_loader)
+        if self.window_has_grads:  # a loader without a length ended inside an accumulation window
+            optimizer_step(self, trainer.optimizers[0])
+        last = progress.batch_idx - 1
+        if validates and last >= 0 and progress.validated_after != last:  # stopped early: evaluate the final weights
+            self.validate_after(last)
+        reporter = trainer.reporter
+        epoch_values = collector.epoch_values()
+        reporter.epoch_metrics.update(epoch_values)  # visible in on_train_epoch_end and to epoch schedulers
+        hooks.on_train_epoch_end()
+        reporter.log_epoch_metrics({**epoch_values, **collector.epoch_values()})  # + values logged in the hook
+        if module.automatic_optimization:
+            step_schedulers(self, "epoch")
+        progress.epoch += 1
+        progress.batch_idx = 0
+        at_boundary(trainer, module)
+
+    def run_batches(self, batches: Any, validates: bool) -> None:
+        """An epoch's training batches: the one batch loop.
+
+        What each batch calls is decided here, once per epoch, after the epoch-start hooks: a hook nobody
+        implements is None, the step is `optimization.plain_step` when everything but ``training_step``,
+        ``backward()`` and ``step()`` would be a no-op (tests/unit/trainer/test_plain_loop.py pins that
+        both give the same run), else `optimization.run_training_batch`.
+        """
+        trainer, progress, plan, hooks = self.trainer, self.progress, self.plan, self.trainer.hooks
+        strategy, collector, reporter = trainer.strategy, trainer.train_collector, trainer.reporter
+        to_device = None if strategy.batches_stay_put else strategy.batch_to_device
+        batch_start = hooks.bound("on_train_batch_start")
+        batch_end = hooks.bound("on_train_batch_end")
+        step = self.resolve_step()
+        log_every, log, step_metrics = trainer.log_every_n_steps, reporter.log_metrics, reporter.step_metrics
+        validate_after = self.validate_after if validates else None
+        for batch_idx, batch in batches:
+            if to_device is not None:
+                batch = to_device(batch)
+            collector.current_batch = batch
+            if batch_start is not None:
+                batch_start(batch, batch_idx)
+            steps_before = progress.global_step
+            output = step(batch, batch_idx)
+            progress.batch_idx = batch_idx + 1
+            if progress.global_step != steps_before and progress.global_step % log_every == 0:
+                log(step_metrics())
+            if batch_end is not None:
+                batch_end(detached(output), batch, batch_idx)
+            if validate_after is not None and plan.validates_after(batch_idx):
+                validate_after(batch_idx)
+            if plan.ends_window(batch_idx) and self.window_ended(batch_idx):
+                break
+
+    def resolve_step(self) -> StepFn:
+        """The function that trains one batch this epoch (see `run_batches`)."""
+        plain = plain_step(self)
+        if plain is not None:
+            return plain
+        plan = self.plan
+        return lambda batch, batch_idx: run_training_batch(
+            self, batch, batch_idx, plan.window_size(batch_idx), plan.ends_window(batch_idx)
+        )
+
+    def window_ended(self, batch_idx: int) -> bool:
+        """A step boundary after `batch_idx`: write pending checkpoints, act on preemption; whether to stop."""
+        at_boundary(self.trainer, self.module)
+        if not self.should_stop_in_epoch():
+            return False
+        if not self.plan.is_last(batch_idx):  # cut short: `last` must name this step, not the epoch end
+            save_stop_point(self.trainer, self.module)
+        return True
+
+    def validate_after(self, batch_idx: int) -> None:
+        """The validation due after training batch `batch_idx` (recorded first, so a checkpoint inside counts it)."""
+        self.progress.validated_after = batch_idx
+        validate_in_fit(self.trainer, self.module, self.val_loaders, self.num_val_batches)
+
+    # --- the data of an epoch -------------------------------------------------------------------
+    def open_epoch(self, start: int) -> Iterator[Any]:
+        """The epoch's batch iterator; on resume, positioned after `start` batches with the step's RNG restored."""
+        loader, trainer = self.train_loader, self.trainer
+        resumed, self.resume_state = self.resume_state, None
+        epoch = self.progress.epoch
+        same_world = same_layout(resumed, trainer.strategy)
+        if start == 0 and resumed is not None:  # at an epoch boundary: the state the last epoch left, then set_epoch
+            restore_rng(resumed["rng"])
+            if "loader_generators" in resumed:
+                restore_loader_generators(loader, resumed["loader_generators"], strict=same_world)
+            if "dataset" in resumed and same_world:  # an iterable dataset's own position (an epoch cut by
+                loader.dataset.load_state_dict(resumed["dataset"])  # limit_train_batches leaves it mid-stream)
+        set_epoch(loader, epoch)
+        if start == 0:
+            self.epoch_start_state = capture_epoch_start(loader)
+            if resumed is not None and reuses_workers(loader, epoch):
+                return open_positioned(loader, 0, self.epoch_start_state, epoch)
+            return iter(loader)
+        assert resumed is not None, "a run inside an epoch always comes from a checkpoint"
+        if not same_world:  # the rest of the epoch, split across this run's processes
+            return open_rest_of_epoch(self, resumed, start)
+        return open_resumed_epoch(loader, start, self.epoch_start_state, resumed, epoch)

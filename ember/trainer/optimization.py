@@ -6,13 +6,14 @@ gradient sync until the window ends), and at the window's end `optimizer_step`:
 unscale, hooks, clip, step, zero_grad, step-interval schedulers.
 
 `setup_optimizers` builds the optimizers and schedulers a fit uses and wires
-manual optimization to the same step. `steps_are_plain` tells the loop when all of that reduces to ``training_step``,
-``backward()`` and ``optimizer.step()``, so it can skip the no-op indirections.
+manual optimization to the same step. `plain_step` is the step when all of that reduces to
+``training_step``, ``backward()`` and ``optimizer.step()``: the loop then skips the no-op indirections.
+Every function takes the fit's `FitLoop`, which holds the state a step changes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -21,16 +22,15 @@ from torch.optim import Optimizer
 from ember.modules.optimizers import ManualOptimizer, parse_optimizers
 
 if TYPE_CHECKING:
-    from ember.modules.module import TrainingModule
-    from ember.trainer.trainer import Trainer
+    from ember.trainer.loop import FitLoop
 
 
-def setup_optimizers(trainer: Trainer, module: TrainingModule) -> None:
+def setup_optimizers(loop: FitLoop) -> None:
     """Run ``configure_optimizers``; under manual optimization, `self.optimizers()` and ``manual_backward`` go
     through `optimizer_step` and `backward`, so hooks, precision and step counting stay the same."""
+    trainer, module = loop.trainer, loop.module
     setup = parse_optimizers(module.configure_optimizers())
-    trainer._automatic = module.automatic_optimization
-    if trainer._automatic and len(setup.optimizers) > 1:
+    if module.automatic_optimization and len(setup.optimizers) > 1:
         raise ValueError(
             f"configure_optimizers returned {len(setup.optimizers)} optimizers; several optimizers need "
             "manual optimization: set self.automatic_optimization = False and step them in training_step"
@@ -39,42 +39,70 @@ def setup_optimizers(trainer: Trainer, module: TrainingModule) -> None:
     for optimizer in trainer.optimizers:
         optimizer.zero_grad(set_to_none=True)
     module._manual_optimizers = [
-        ManualOptimizer(opt, lambda o, closure: optimizer_step(trainer, o, closure)) for opt in trainer.optimizers
+        ManualOptimizer(opt, lambda o, closure: optimizer_step(loop, o, closure)) for opt in trainer.optimizers
     ]
     module._manual_schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
-    module._manual_backward_fn = lambda loss: backward(trainer, loss)
+    module._manual_backward_fn = lambda loss: backward(loop, loss)
 
 
 #: Hooks that sit between backward and the optimizer step.
 _STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
 
 
-def steps_are_plain(trainer: Trainer, module: TrainingModule) -> bool:
+def steps_are_plain(loop: FitLoop) -> bool:
     """Whether `run_training_batch` would only run ``training_step``, ``backward()`` and ``step()`` here.
 
-    True with one process, fp32 or a true precision, automatic optimization, no
-    accumulation, clipping or loss guard, and nobody implementing the hooks
-    around backward and the optimizer step: every other part of a step is then
-    a no-op, and the loop may take its plain path (`loop.run_plain_batches`).
+    True with one process, fp32 or a true precision, automatic optimization, no accumulation, clipping,
+    loss guard or profiler, and nobody implementing the hooks around backward and the optimizer step:
+    every other part of a step is then a no-op.
     """
+    trainer = loop.trainer
     return (
-        module.automatic_optimization
+        loop.module.automatic_optimization
         and trainer.strategy.runs_plain_steps()
-        and trainer._finite_guard.mode is None
+        and trainer.finite_guard.mode is None
         and trainer.gradient_clip_val is None
-        and trainer.epoch_plan.accumulate == 1
+        and loop.plan.accumulate == 1
+        and trainer.profiler is None
         and not any(trainer.hooks.implemented(name) for name in _STEP_HOOKS)
     )
 
 
-def run_training_batch(
-    trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int, window_size: int, ends_window: bool
-) -> Any:
+def plain_step(loop: FitLoop) -> Callable[[Any, int], Any] | None:
+    """When `steps_are_plain`, the step of one batch without the calls that would all be no-ops:
+    ``training_step``, ``backward()``, ``step()``, ``zero_grad()`` and step-interval schedulers; else None."""
+    if not steps_are_plain(loop):
+        return None
+    trainer, progress = loop.trainer, loop.progress
+    training_step, optimizer = loop.module.training_step, trainer.optimizers[0]
+    schedulers_due = any(config.interval == "step" for config in trainer.lr_scheduler_configs)
+
+    def step(batch: Any, batch_idx: int) -> Any:
+        output = training_step(batch, batch_idx)
+        loss = output if type(output) is Tensor else loss_of(output)
+        if loss is not None:
+            try:
+                loss.backward()
+            except RuntimeError:
+                loss_of(output)  # a loss that is not a scalar or has no graph: ember's clearer error
+                raise
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress.global_step += 1
+            if schedulers_due:
+                step_schedulers(loop, "step")
+        return output
+
+    return step
+
+
+def run_training_batch(loop: FitLoop, batch: Any, batch_idx: int, window_size: int, ends_window: bool) -> Any:
     """Forward and backward one micro-batch; step the optimizer if it ends a window.
 
     Returns the step's output as it is (None if the step returned None).
     """
-    strategy = trainer.strategy
+    trainer, module = loop.trainer, loop.module
+    strategy, guard = trainer.strategy, trainer.finite_guard
     if not module.automatic_optimization:
         with strategy.forward_context():
             return strategy.training_step(module, batch, batch_idx)
@@ -82,42 +110,46 @@ def run_training_batch(
         with strategy.forward_context():
             output = strategy.training_step(module, batch, batch_idx)
         loss = loss_of(output)
-        if loss is not None and trainer._finite_guard.mode is not None:
-            loss = loss if trainer._finite_guard.admits(loss, trainer.progress.global_step + 1) else None
+        if loss is not None and guard.mode is not None:
+            loss = loss if guard.admits(loss, loop.progress.global_step + 1) else None
         if loss is not None:
-            backward(trainer, loss / window_size if window_size > 1 else loss)
-            trainer._window_has_grads = True
-    if ends_window and trainer._window_has_grads:
-        optimizer_step(trainer, trainer.optimizers[0])
+            backward(loop, loss / window_size if window_size > 1 else loss)
+            loop.window_has_grads = True
+    if ends_window and loop.window_has_grads:
+        optimizer_step(loop, trainer.optimizers[0])
     return output
 
 
-def backward(trainer: Trainer, loss: Tensor) -> None:
-    trainer.hooks.on_before_backward(loss)
-    trainer.strategy.backward(loss)
-    trainer.hooks.on_after_backward()
+def backward(loop: FitLoop, loss: Tensor) -> None:
+    hooks = loop.trainer.hooks
+    hooks.on_before_backward(loss)
+    loop.trainer.strategy.backward(loss)
+    hooks.on_after_backward()
 
 
-def optimizer_step(trainer: Trainer, optimizer: Optimizer, closure: Any = None) -> None:
+def optimizer_step(loop: FitLoop, optimizer: Optimizer, closure: Any = None) -> None:
     """Unscale, clip, step, zero the gradients, count the step, step schedulers."""
-    strategy = trainer.strategy
+    trainer = loop.trainer
+    strategy, hooks = trainer.strategy, trainer.hooks
+    automatic = loop.module.automatic_optimization
     strategy.precision.unscale_gradients(optimizer)
-    trainer.hooks.on_before_optimizer_step(optimizer)
-    if trainer.gradient_clip_val is not None and trainer._automatic:
+    hooks.on_before_optimizer_step(optimizer)
+    if trainer.gradient_clip_val is not None and automatic:
         strategy.clip_gradients(trainer.model, optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
     strategy.optimizer_step(optimizer, closure)
-    if trainer._automatic:
-        trainer.hooks.on_before_zero_grad(optimizer)
+    if automatic:
+        hooks.on_before_zero_grad(optimizer)
         optimizer.zero_grad(set_to_none=True)
-        trainer._window_has_grads = False
-    trainer.progress.global_step += 1
-    if trainer._automatic and trainer.lr_scheduler_configs:
-        step_schedulers(trainer, "step")
+        loop.window_has_grads = False
+    loop.progress.global_step += 1
+    if automatic and trainer.lr_scheduler_configs:
+        step_schedulers(loop, "step")
 
 
-def step_schedulers(trainer: Trainer, interval: str) -> None:
+def step_schedulers(loop: FitLoop, interval: str) -> None:
     """Step every scheduler with this interval whose frequency divides the step/epoch count."""
-    count = trainer.progress.global_step if interval == "step" else trainer.progress.epoch + 1
+    trainer, progress = loop.trainer, loop.progress
+    count = progress.global_step if interval == "step" else progress.epoch + 1
     for config in trainer.lr_scheduler_configs:
         if config.interval != interval or count % config.frequency:
             continue

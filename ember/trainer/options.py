@@ -1,47 +1,135 @@
-"""Checking and normalising `Trainer` options: every bad value fails here, before any work."""
+"""The `Trainer`'s options: one frozen, typed object, checked and normalised before any work.
+
+`TrainerOptions` lists every keyword of `ember.Trainer` with its default; the YAML schema's
+``trainer`` section (`ember.config.schema.TrainerConfig`) is derived from it, so the two cannot drift.
+`build` checks each value (an error names the option and the fix) and normalises: ``fast_dev_run``
+applied, ``max_epochs`` defaulted, ``gradient_clip_val=0`` read as no clipping, the requeue signal
+resolved. Objects built from options (the strategy, the profiler) are the Trainer's.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-import re
+import os
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from ember.callbacks.timer import parse_duration
 from ember.strategies.precision import resolve_precision
 from ember.strategies.strategy import Strategy
 from ember.trainer.data import check_limit
+from ember.trainer.signals import resolve_signal
 
 _ACCELERATORS = ("auto", "cpu", "cuda")
 
 
-def check(
-    *,
-    accumulate_grad_batches: int,
-    log_every_n_steps: int,
-    check_val_every_n_epoch: int,
-    limits: dict[str, float | int],
-    gradient_clip_val: float | None,
-    gradient_clip_algorithm: str,
-    val_check_interval: float | int,
-    num_sanity_val_steps: int,
-) -> None:
+@dataclass(frozen=True)
+class TrainerOptions:
+    """Every `ember.Trainer` keyword (docs/trainer.md); fields typed ``Any`` take Python objects as well
+    (callbacks, loggers, a strategy, a ``timedelta``)."""
+
+    max_epochs: int | None = None
+    max_steps: int = -1
+    max_time: Any = None  # seconds, "DD:HH:MM:SS", a timedelta or a dict of timedelta fields
+    accelerator: str = "auto"
+    devices: int | str = "auto"
+    strategy: Any = "auto"  # a name or a Strategy
+    num_nodes: int = 1
+    precision: str | int = "32-true"
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str = "norm"
+    val_check_interval: float | int = 1.0
+    check_val_every_n_epoch: int = 1
+    num_sanity_val_steps: int = 2
+    limit_train_batches: float | int = 1.0
+    limit_val_batches: float | int = 1.0
+    limit_test_batches: float | int = 1.0
+    limit_predict_batches: float | int = 1.0
+    log_every_n_steps: int = 50
+    callbacks: Any = None  # a Callback or a list of them
+    logger: Any = True  # True, False, a Logger or a list of them
+    enable_progress_bar: bool = True
+    enable_model_summary: bool = True
+    enable_checkpointing: bool = True
+    default_root_dir: str = "runs"
+    run_name: str | None = None
+    requeue_signal: str | int | None = "SIGUSR1"
+    deterministic: bool = False
+    fast_dev_run: bool | int = False
+    detect_anomaly: bool = False
+    use_distributed_sampler: bool = True
+    nonfinite_loss: str | None = None
+    compile: Any = False  # True, False, or a mapping of torch.compile keywords
+    profiler: Any = None  # "simple", "pytorch", a ProfilerConfig, a Profiler, or a mapping
+    tune_cpu_allocator: bool = True  # glibc mmap/trim thresholds when a run starts (ember/strategies/allocator.py)
+
+    @property
+    def max_time_s(self) -> float | None:
+        """``max_time`` in seconds (None: no budget)."""
+        return parse_max_time(self.max_time)
+
+    @property
+    def compile_options(self) -> dict[str, Any] | None:
+        """``compile`` as torch.compile keywords; None when compiling is off."""
+        return compile_options(self.compile)
+
+
+#: The option names, in the order of the Trainer's signature.
+NAMES = tuple(field.name for field in dataclasses.fields(TrainerOptions))
+
+
+def build(given: dict[str, Any]) -> TrainerOptions:
+    """Check every option in `given` (the Trainer's keywords) and return them normalised."""
+    options = TrainerOptions(**given)
+    check(options)
+    changes: dict[str, Any] = {
+        "default_root_dir": os.fspath(options.default_root_dir),
+        "gradient_clip_val": options.gradient_clip_val or None,  # 0: no clipping, as in Lightning
+        "requeue_signal": resolve_signal(options.requeue_signal),
+        "callbacks": _as_list(options.callbacks),
+    }
+    if options.fast_dev_run:
+        n = 1 if options.fast_dev_run is True else int(options.fast_dev_run)
+        check_positive_int("fast_dev_run", n)
+        changes.update(max_epochs=1, max_steps=n, num_sanity_val_steps=0, val_check_interval=1.0, logger=False,
+                       enable_checkpointing=False, limit_train_batches=n, limit_val_batches=n,
+                       limit_test_batches=n, limit_predict_batches=n)  # fmt: skip
+    elif options.max_epochs is None and options.max_steps == -1:
+        changes["max_epochs"] = 1000
+    return dataclasses.replace(options, **changes)
+
+
+def _as_list(callbacks: Any) -> list[Any]:
+    from ember.callbacks.callback import Callback
+
+    return [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
+
+
+def check(options: TrainerOptions) -> None:
     """Raise on the first bad value, with a message that names the option and the fix."""
-    check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
-    check_positive_int("log_every_n_steps", log_every_n_steps)
-    check_positive_int("check_val_every_n_epoch", check_val_every_n_epoch)
-    for name, value in limits.items():
-        check_limit(name, value)
-    if gradient_clip_algorithm not in ("norm", "value"):
-        raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}; choose 'norm' or 'value'")
-    check_val_check_interval(val_check_interval)
-    if gradient_clip_val is not None and (
-        isinstance(gradient_clip_val, bool) or not isinstance(gradient_clip_val, (int, float)) or gradient_clip_val < 0
-    ):
-        raise ValueError(f"gradient_clip_val={gradient_clip_val!r} must be a number >= 0 (0 or None: no clipping)")
-    if isinstance(num_sanity_val_steps, bool) or not isinstance(num_sanity_val_steps, int) or num_sanity_val_steps < -1:
-        raise ValueError(f"num_sanity_val_steps={num_sanity_val_steps!r}: use a batch count >= 0, or -1 for all")
+    check_positive_int("accumulate_grad_batches", options.accumulate_grad_batches)
+    check_positive_int("log_every_n_steps", options.log_every_n_steps)
+    check_positive_int("check_val_every_n_epoch", options.check_val_every_n_epoch)
+    for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
+        check_limit(name, getattr(options, name))
+    if options.gradient_clip_algorithm not in ("norm", "value"):
+        raise ValueError(f"gradient_clip_algorithm={options.gradient_clip_algorithm!r}; choose 'norm' or 'value'")
+    check_val_check_interval(options.val_check_interval)
+    if not isinstance(options.tune_cpu_allocator, bool):
+        raise TypeError(f"tune_cpu_allocator={options.tune_cpu_allocator!r} must be True or False")
+    clip = options.gradient_clip_val
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
+        raise ValueError(f"gradient_clip_val={clip!r} must be a number >= 0 (0 or None: no clipping)")
+    steps = options.num_sanity_val_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < -1:
+        raise ValueError(f"num_sanity_val_steps={steps!r}: use a batch count >= 0, or -1 for all")
+    parse_max_time(options.max_time)
+    compile_options(options.compile)
 
 
 def check_positive_int(name: str, value: Any) -> None:
@@ -61,46 +149,33 @@ def check_val_check_interval(value: Any) -> None:
 
 
 def parse_max_time(value: float | str | timedelta | dict[str, int] | None) -> float | None:
-    if value is None:
-        return None
-    seconds: float | None = None
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, dict):
-        try:
-            seconds = timedelta(**value).total_seconds()
-        except TypeError:
-            raise ValueError(
-                f"max_time={value!r}: dict keys must be timedelta fields "
-                "(days, hours, minutes, seconds, milliseconds, ...)"
-            ) from None
-    elif isinstance(value, str):
-        match = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", value)
-        if not match:
-            raise ValueError(f"max_time={value!r}: use 'DD:HH:MM:SS', seconds, or a timedelta")
-        d, h, m, s = map(int, match.groups())
-        seconds = timedelta(days=d, hours=h, minutes=m, seconds=s).total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    if seconds is None or not seconds > 0:
-        raise ValueError(
-            f"max_time={value!r}: use a positive budget: seconds (> 0), 'DD:HH:MM:SS', a timedelta or a dict"
-        )
-    return seconds
+    """``max_time`` in seconds (None: no budget); see `ember.callbacks.timer.parse_duration`."""
+    return None if value is None else parse_duration(value, f"max_time={value!r}")
 
 
-_STRATEGIES = ("auto", "single_device", "ddp", "fsdp")
+_STRATEGIES = ("auto", "single_device", "ddp", "fsdp", "model_parallel")
 
 
-def resolve_strategy(
+def resolve_strategy(options: TrainerOptions) -> Strategy:
+    """Build the strategy the options describe; ``"auto"`` is DDP when more than one process runs.
+
+    ``"model_parallel"`` is `ModelParallelStrategy` with both sizes ``"auto"`` (tensor parallel within each
+    node, data parallel across nodes); pass an instance (or a ``_target_`` section) for other sizes.
+    """
+    return _strategy(
+        options.strategy, options.accelerator, options.devices, options.num_nodes, options.precision,
+        options.use_distributed_sampler,
+    )  # fmt: skip
+
+
+def _strategy(
     strategy: str | Strategy,
     accelerator: str,
     devices: int | str,
     num_nodes: int,
     precision: str | int,
-    use_distributed_sampler: bool = True,
+    use_distributed_sampler: bool,
 ) -> Strategy:
-    """Build the strategy the options describe; ``"auto"`` is DDP when more than one process runs."""
     from ember.strategies.ddp import DDPStrategy
     from ember.strategies.environment import detect
     from ember.strategies.fsdp import FSDPStrategy
@@ -135,7 +210,11 @@ def resolve_strategy(
         if count * num_nodes > 1:
             raise ValueError(f"strategy='single_device' runs one process; devices={devices}, num_nodes={num_nodes}")
         return Strategy("cuda:0" if use_cuda else "cpu", plugin)
-    if isinstance(strategy, str):
+    if strategy == "model_parallel":
+        from ember.strategies.model_parallel import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy()  # one TP group per node; a Strategy instance sets the sizes
+    elif isinstance(strategy, str):
         strategy = DDPStrategy() if strategy == "ddp" else FSDPStrategy()
     strategy.precision = plugin
     if isinstance(strategy, ParallelStrategy):

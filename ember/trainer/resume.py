@@ -21,7 +21,7 @@ import itertools
 import random
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -88,8 +88,12 @@ def capture_loader_generators(loader: Any) -> list[Any]:
     return [g.get_state() for g in _loader_generators(loader)]
 
 
-def restore_loader_generators(loader: Any, states: list[Any]) -> None:
+def restore_loader_generators(loader: Any, states: list[Any], strict: bool = True) -> None:
+    """Put back the states `capture_loader_generators` recorded. Not `strict`: when the loader has other
+    generators (it was distributed differently), leave them alone."""
     generators = _loader_generators(loader)
+    if len(generators) != len(states) and not strict:
+        return
     if len(generators) != len(states):
         raise RuntimeError(
             "the training DataLoader's random generators differ from the checkpointed run's; "
@@ -99,9 +103,10 @@ def restore_loader_generators(loader: Any, states: list[Any]) -> None:
         gen.set_state(state)
 
 
-def _restore_epoch_start(loader: Any, state: dict[str, Any]) -> None:
+def restore_epoch_start(loader: Any, state: dict[str, Any], generators: list[torch.Generator] | None = None) -> None:
+    """Put back what `capture_epoch_start` recorded: the global streams and the loader's generators."""
     restore_rng(state["global"])
-    generators = _loader_generators(loader)
+    generators = _loader_generators(loader) if generators is None else generators
     if len(generators) != len(state["loader"]):
         raise RuntimeError(
             "the training DataLoader's random generators differ from the checkpointed run's; "
@@ -138,11 +143,18 @@ class _SkippingSampler:
     (in ``_BaseDataLoaderIter.__init__`` and again in ``_reset``) and consumes
     the second one. Later iterations (the next epochs of a persistent-worker
     iterator) do not skip.
+
+    `rewind`, when given, runs at that second call: between the two calls the new
+    iterator drew its worker base seed, a draw that a persistent-worker iterator
+    does not repeat after its first epoch (later epochs only ``_reset`` it). Putting
+    the generators back there lets the permutation come from the state the
+    uninterrupted run drew it from.
     """
 
-    def __init__(self, inner: Any, skip: int) -> None:
-        self.inner, self.skip = inner, skip
+    def __init__(self, inner: Any, skip: int, rewind: Callable[[], None] | None = None) -> None:
+        self.inner, self.skip, self.rewind = inner, skip, rewind
         self.active = True
+        self.calls = 0
         self.first: _SkipFirst | None = None
 
     def __len__(self) -> int:
@@ -151,11 +163,108 @@ class _SkippingSampler:
     def __iter__(self) -> Iterator[Any]:
         if not self.active:
             return iter(self.inner)
+        self.calls += 1
+        if self.calls == 2 and self.rewind is not None:
+            self.rewind()
         self.first = _SkipFirst(iter(self.inner), self.skip)
         return self.first
 
 
-def open_resumed_epoch(loader: Any, skip: int, epoch_start: dict[str, Any] | None, saved: dict[str, Any]) -> Any:
+def reuses_workers(loader: Any, epoch: int) -> bool:
+    """Whether an uninterrupted run would reuse `loader`'s persistent workers in `epoch` (so its iterator,
+    created in epoch 0, is only reset: no new worker base seed is drawn)."""
+    return (
+        epoch > 0
+        and isinstance(loader, torch.utils.data.DataLoader)
+        and bool(getattr(loader, "persistent_workers", False))
+        and loader.num_workers > 0
+        and not callable(getattr(loader, "state_dict", None))  # a StatefulDataLoader keeps its own account
+    )
+
+
+def open_positioned(loader: Any, skip: int, epoch_start: dict[str, Any], epoch: int) -> Iterator[Any]:
+    """``iter(loader)`` from the generator states `epoch_start`, its sampler past the first `skip` entries.
+
+    The states are put back first, so the iterator draws what the uninterrupted run's drew. For a loader
+    whose persistent workers the uninterrupted run would have reused, the new iterator's worker base-seed
+    draw is undone before the sampler draws (see `_SkippingSampler`), and the workers start with the
+    dataset as the uninterrupted run's workers had it: they were made in epoch 0, after
+    ``dataset.set_epoch(0)``, and never saw a later ``set_epoch`` (each worker holds its own copy).
+    """
+    attr = "batch_sampler" if getattr(loader, "batch_sampler", None) is not None else "sampler"
+    original = getattr(loader, attr)
+    reused = reuses_workers(loader, epoch)
+    generators = _loader_generators(loader)  # found now: the stand-in hides the sampler's
+    rewind = (lambda: restore_epoch_start(loader, epoch_start, generators)) if reused else None
+    stand_in = _SkippingSampler(original, skip, rewind)
+    dataset_set_epoch = getattr(getattr(loader, "dataset", None), "set_epoch", None)
+    restore_epoch_start(loader, epoch_start, generators)
+    object.__setattr__(loader, attr, stand_in)  # DataLoader forbids setting it after __init__; one epoch only
+    try:
+        if reused and callable(dataset_set_epoch):
+            dataset_set_epoch(0)  # the copy the workers get
+        iterator = iter(loader)
+        assert stand_in.first is not None
+        stand_in.first.prime()  # the permutation is drawn now, where the uninterrupted run drew it
+    finally:
+        stand_in.active = False
+        object.__setattr__(loader, attr, original)
+        if reused and callable(dataset_set_epoch):
+            dataset_set_epoch(epoch)
+    return iterator
+
+
+class _FixedBatches:
+    """Stands in for a DataLoader's batch sampler while an iterator over given batches is created."""
+
+    def __init__(self, inner: Any, batches: list[list[int]]) -> None:
+        self.inner, self.batches = inner, batches
+        self.active = True
+
+    def __len__(self) -> int:
+        return len(self.batches) if self.active else len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self.batches)) if self.active else iter(self.inner)
+
+
+def open_batches(loader: Any, batches: list[list[int]], step_rng: dict[str, Any]) -> Iterator[Any]:
+    """An iterator over `loader` that yields exactly `batches` (lists of dataset indices) this epoch, then
+    the step's random streams put back. Later epochs use the loader's own batch sampler again."""
+    original = loader.batch_sampler
+    stand_in = _FixedBatches(original, batches)
+    object.__setattr__(loader, "batch_sampler", stand_in)  # one epoch only, as in `open_positioned`
+    try:
+        iterator = iter(loader)
+    finally:
+        stand_in.active = False
+        object.__setattr__(loader, "batch_sampler", original)
+    restore_rng(step_rng)
+    return iterator
+
+
+def warn_if_workers_miss_set_epoch(loader: Any) -> None:
+    """Warn when the training dataset has ``set_epoch`` but its DataLoader keeps persistent workers.
+
+    Each worker holds the copy of the dataset made when the workers started (the first epoch), so
+    ``dataset.set_epoch(epoch)``, called in the main process, never reaches them: per-epoch augmentation
+    keyed on it repeats the first epoch's. The same happens in a plain loop over the loader.
+    """
+    dataset = getattr(loader, "dataset", None)
+    if callable(getattr(dataset, "set_epoch", None)) and reuses_workers(loader, 1):
+        warnings.warn(
+            f"the training dataset {type(dataset).__name__} has set_epoch(), but its DataLoader uses "
+            "persistent_workers=True: each worker keeps the copy of the dataset made in the first epoch, so "
+            "set_epoch(epoch) does not reach it and per-epoch randomness keyed on it repeats epoch 0's. Use "
+            "persistent_workers=False, or carry the epoch through the sampler.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def open_resumed_epoch(
+    loader: Any, skip: int, epoch_start: dict[str, Any] | None, saved: dict[str, Any], epoch: int = 0
+) -> Any:
     """An iterator over `loader` positioned after `skip` batches, with the step's random streams restored.
 
     `saved` is the process's checkpointed state (``rng``, and ``loader`` or
@@ -185,18 +294,7 @@ def open_resumed_epoch(loader: Any, skip: int, epoch_start: dict[str, Any] | Non
         iterator = iter(loader)
         restore_rng(step_rng)
         return iterator
-    attr = "batch_sampler" if getattr(loader, "batch_sampler", None) is not None else "sampler"
-    original = getattr(loader, attr)
-    stand_in = _SkippingSampler(original, skip)
-    _restore_epoch_start(loader, epoch_start)
-    object.__setattr__(loader, attr, stand_in)  # DataLoader forbids setting it after __init__; one epoch only
-    try:
-        iterator = iter(loader)
-        assert stand_in.first is not None
-        stand_in.first.prime()  # the permutation is drawn now, where the uninterrupted run drew it
-    finally:
-        stand_in.active = False
-        object.__setattr__(loader, attr, original)
+    iterator = open_positioned(loader, skip, epoch_start, epoch)
     restore_rng(step_rng)
     return iterator
 

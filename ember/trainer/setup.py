@@ -71,6 +71,8 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
         ParameterHistograms
     ):
         wanted.append(ParameterHistograms())
+    if trainer.profiler is not None:
+        wanted.append(trainer.profiler.callback)
     return wanted
 
 
@@ -78,7 +80,7 @@ def given_loggers(trainer: Trainer) -> list[Logger]:
     """The loggers the user passed (resolved or not yet), without building the defaults."""
     if trainer.loggers:
         return trainer.loggers
-    option = trainer._logger_option
+    option = trainer.options.logger
     if isinstance(option, Logger):
         return [option]
     if isinstance(option, Sequence):

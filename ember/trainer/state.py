@@ -22,6 +22,7 @@ from torch.utils.data import IterableDataset
 import ember
 from ember import checkpoint as ckpt
 from ember.checkpoint import writing
+from ember.trainer import data_position
 from ember.trainer.resume import capture_loader_generators, capture_rng
 
 if TYPE_CHECKING:
@@ -202,16 +203,18 @@ def data_state(trainer: Trainer) -> dict[str, Any]:
     loader = trainer.train_dataloader
     if loader is None:
         return {}
+    # The position in samples consumed by all processes, for a resume on another number of processes.
+    position = {"position": data_position.record(trainer)}
     dataset = getattr(loader, "dataset", None)
     if not isinstance(dataset, IterableDataset):
         # The loader's own generators as they are now: the next epoch's permutation is drawn from them.
-        return {"loader_generators": capture_loader_generators(loader)}
+        return {"loader_generators": capture_loader_generators(loader), **position}
     if callable(getattr(loader, "state_dict", None)):
-        return {"loader": loader.state_dict()}
+        return {"loader": loader.state_dict(), **position}
     dataset_state = getattr(dataset, "state_dict", None)
     if isinstance(dataset, IterableDataset) and callable(dataset_state):
-        return {"dataset": dataset_state()}
-    return {}
+        return {"dataset": dataset_state(), **position}
+    return position
 
 
 @dataclass
@@ -308,18 +311,22 @@ def load(path: Path, rank: int = 0, world_size: int = 1) -> Loaded:
 
 
 def _rank_state(path: Path, meta: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """This process's part of the checkpoint. On another number of processes, process r reads the state of
+    process min(r, saved - 1): its random streams are a starting point, and its ``position`` (the same on
+    every process) tells the loop where the interrupted epoch stands globally (`data_position`)."""
     saved_world = int(meta.get("world_size", 1))
     if saved_world != world_size:
         if rank == 0:
             warnings.warn(
                 f"checkpoint {path} was written by {saved_world} process(es) and resumes on {world_size}: weights, "
-                "optimizer and progress carry over, but each process's data position and random streams were "
-                "per process, so the continuation is not bitwise that of an uninterrupted run",
+                "optimizer and progress carry over, and the rest of an interrupted epoch is split across the new "
+                "processes (no sample skipped or seen twice), but the random streams were per process, so the "
+                "continuation is not bitwise that of an uninterrupted run",
                 RuntimeWarning,
                 stacklevel=3,
             )
         rank = min(rank, saved_world - 1)
-    return ckpt.read_rank_meta(path, rank)
+    return {**ckpt.read_rank_meta(path, rank), "saved_world_size": saved_world}
 
 
 def load_module_weights(module: nn.Module, loaded: Loaded, load: Any = None, hint: str = "") -> None:

@@ -1,9 +1,9 @@
-"""NCCL DDP, bf16 mixed precision and FSDP on CUDA (issue 6, "Build": tests/gpu).
+"""NCCL DDP and FSDP, bf16-mixed and 16-mixed, compile and exact resume on CUDA (issues 6 and 23: tests/gpu).
 
-Skipped without CUDA. One process per GPU, at most 2 (with one GPU the NCCL job has one process, batch 8;
-with two, 2 x batch 4); the reference is one process with batch 8 on ``cuda:0``. The runs are those of
-tests/distributed (`dist_workload`), with ``ACCELERATOR = "cuda"``. ``benchmarks/gpu_check.sh`` runs this file
-and the benchmarks on a GPU machine.
+Skipped without CUDA. The NCCL job runs one process per GPU (`_processes`: every GPU, as long as their number
+divides the global batch of 8; with one GPU, one process with batch 8); the reference is one process with
+batch 8 on ``cuda:0``. The runs are those of tests/distributed (`dist_workload`), with ``ACCELERATOR =
+"cuda"``. ``benchmarks/gpu_check.sh`` runs this directory and the GPU benchmarks on a GPU machine.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ dist_workload.gpu_job(Path(sys.argv[1]), sys.argv[2])
 
 
 def _processes() -> int:
-    return min(torch.cuda.device_count(), 2)
+    """One process per GPU: the most GPUs whose number divides the global batch of 8."""
+    return max(n for n in range(1, torch.cuda.device_count() + 1) if 8 % n == 0)
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +53,53 @@ def cuda_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, harness.Fi
     return directory / "out", job
 
 
+class OnDevice(workload.Net):
+    """`dist_workload.Net` that records where each training batch and the parameters were."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_devices: set[str] = set()
+        self.param_devices: set[str] = set()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.batch_devices |= {str(t.device) for t in batch}
+        self.param_devices |= {str(p.device) for p in self.parameters()}
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_single(root: Path, module_cls: type[workload.Net] | None = None, **kwargs: Any) -> dict[str, Any]:
+    """`dist_workload.fit_sequential` in this process on cuda:0, batch 8 (`module_cls` in place of Net)."""
+    import ember
+
+    if module_cls is None:
+        return workload.summary(*workload.fit_sequential("single_device", root, batch_size=8, **kwargs))
+    ember.seed_everything(workload.SEED)
+    module = module_cls()
+    trainer = ember.Trainer(max_steps=20, default_root_dir=root, accelerator="cuda", **workload.QUIET, **kwargs)
+    train = torch.utils.data.DataLoader(workload.train_set(workload.N_SEQ), batch_size=8)
+    trainer.fit(module, train)
+    where = {
+        "batch_devices": getattr(module, "batch_devices", None),
+        "param_devices": getattr(module, "param_devices", None),
+    }
+    return {**workload.summary(trainer, module), **where}
+
+
 @pytest.fixture(scope="module")
 def cuda_single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One process on cuda:0, batch 8: fp32 and bf16-mixed."""
+    """One process on cuda:0, batch 8: fp32, bf16-mixed, 16-mixed, compiled, and where things were."""
     root = tmp_path_factory.mktemp("cuda_single")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(workload, "ACCELERATOR", "cuda")
-        fp32 = workload.summary(*workload.fit_sequential("single_device", root / "fp32", batch_size=8))
-        bf16 = workload.summary(
-            *workload.fit_sequential("single_device", root / "bf16", batch_size=8, precision="bf16-mixed")
-        )
-    return {"fp32": fp32, "bf16": bf16}
+        runs = {
+            "fp32": _fit_single(root / "fp32"),
+            "bf16": _fit_single(root / "bf16", precision="bf16-mixed"),
+            "fp16": _fit_single(root / "fp16", precision="16-mixed"),
+        }
+        torch._dynamo.reset()
+        runs["compiled"] = _fit_single(root / "compiled", compile=True)
+        runs["placed"] = _fit_single(root / "placed", module_cls=OnDevice)
+    return runs
 
 
 def _results(cuda_job: tuple[Path, harness.Finished], name: str) -> list[dict[str, Any]]:
@@ -115,3 +152,42 @@ def test_fsdp_checkpoint_resumes_bitwise_on_cuda(cuda_job) -> None:
         assert (stopped["steps"], resumed["steps"]) == (10, full["steps"])
         assert resumed["losses"] == full["losses"][10:], f"rank {rank}: the steps after the resume differ"
         harness.assert_params_equal(resumed["params"], full["params"], f"rank {rank}: resumed vs uninterrupted")
+
+
+def test_batches_and_parameters_are_on_the_gpu(cuda_single) -> None:
+    placed = cuda_single["placed"]
+    assert placed["batch_devices"] == {"cuda:0"}  # ember moved every tensor of every batch
+    assert placed["param_devices"] == {"cuda:0"}
+    _assert_close(placed["params"], cuda_single["fp32"]["params"], 1e-6, "the recording module vs plain Net")
+
+
+def test_16_mixed_runs_the_forward_in_fp16_with_a_loss_scaler(cuda_single) -> None:
+    fp16, fp32 = cuda_single["fp16"], cuda_single["fp32"]
+    assert fp16["forward_dtype"] == "torch.float16"
+    assert fp16["param_dtypes"] == ["torch.float32"]
+    assert all(math.isfinite(loss) for loss in fp16["losses"])
+    _assert_close(fp16["params"], fp32["params"], 5e-2, "16-mixed vs fp32 after 20 steps")
+
+
+def test_compile_on_cuda_matches_eager(cuda_single) -> None:
+    compiled, eager = cuda_single["compiled"], cuda_single["fp32"]
+    assert compiled["device"] == "cuda:0" and compiled["steps"] == 20
+    torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-3, atol=1e-4)
+    _assert_close(compiled["params"], eager["params"], 1e-3, "compile=True vs eager on cuda:0")
+
+
+def test_an_exact_resume_on_the_gpu_with_deterministic_algorithms(tmp_path) -> None:
+    """One process on cuda:0, deterministic=True: stopped at step 10 and resumed ends bitwise where an
+    uninterrupted run ends (AdamW, dropout, a shuffled loader)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(workload, "ACCELERATOR", "cuda")
+        run = lambda root, **kw: workload.summary(  # noqa: E731
+            *workload.fit_shuffled("single_device", root, deterministic=True, **kw)
+        )
+        full = run(tmp_path / "full")
+        stopped = run(tmp_path / "resumable", ckpt_every=5, stop_at=10, keep=-1)
+        resumed = run(tmp_path / "resumable", ckpt_every=5, ckpt_path="last", keep=-1)
+    assert (stopped["steps"], resumed["steps"]) == (10, full["steps"]) and full["steps"] > 10
+    assert resumed["device"] == "cuda:0"
+    assert resumed["losses"] == full["losses"][10:]
+    harness.assert_params_equal(resumed["params"], full["params"], "resumed vs uninterrupted on cuda:0")

@@ -428,4 +428,4 @@ def test_periodic_async_saves_reuse_their_snapshot_buffers(tmp_path: Path, monke
     for step, live in saver.live.items():
         saved = ckpt.read_module_state(tmp_path / f"step{step}")[1]["layer.weight"]
         assert torch.equal(saved, live), f"checkpoint of step {step}"
-    assert trainer._writer._staging == {}, "fit kept the snapshot buffers after it ended"
+    assert trainer.checkpoint_writer._staging == {}, "fit kept the snapshot buffers after it ended"

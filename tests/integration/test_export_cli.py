@@ -134,7 +134,7 @@ def test_an_unsupported_format_is_a_usage_error(run: Path, tmp_path: Path, capsy
     # argparse quotes the choices on some Python versions and not on others
     assert err.replace("'", "") == (
         "ember export: error: argument --format: invalid choice: tflite "
-        "(choose from onnx, torchscript, torch-export, safetensors, torchserve)"
+        "(choose from onnx, torchscript, torch-export, safetensors, torchserve, hf)"
     )
     assert not (tmp_path / "x").exists()
 

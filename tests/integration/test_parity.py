@@ -16,11 +16,16 @@ Documented semantics pinned here:
 - ``gradient_clip_val``: ``clip_grad_norm_`` / ``clip_grad_value_`` on the
   optimizer's parameters after ``on_before_optimizer_step`` and before the step;
 - validation (sanity check included) neither consumes the global RNG nor
-  changes the training order.
+  changes the training order;
+- an epoch that is not cut short by a limit is a ``for`` loop over the loader:
+  after the last batch the loader is asked once more (the sampler's final draw).
+
+tests/exactness/ checks the same contract over generated configurations.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -347,3 +352,94 @@ def test_validation_and_sanity_check_do_not_change_training(tmp_path):
     assert torch.equal(torch.stack(recorder.losses), torch.stack(raw_losses))
     assert_params_equal(raw_model, module)
     assert torch.equal(raw_rng, ember_rng)
+
+
+# --- 5. a dataset size that is a multiple of the batch size ------------------------------
+class _GeneralLoop(ember.Callback):
+    """Implements a hook around backward, so the general batch loop runs instead of the plain one."""
+
+    def on_after_backward(self, trainer, module) -> None:
+        pass
+
+
+class _Losses(ember.Callback):
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.losses.append(outputs["loss"])
+
+
+@pytest.mark.parametrize("batch_loop", ["plain", "general"])
+def test_a_dataset_size_that_is_a_multiple_of_the_batch_size_matches_raw_loop_in_every_epoch(
+    tmp_path, monkeypatch, batch_loop
+):
+    """640 samples in batches of 32: the last batch is complete before the sampler is exhausted.
+
+    A ``for`` loop asks the loader once more after it, which runs the end of
+    ``RandomSampler.__iter__`` (one more ``randperm`` from the loader's generator).
+    An epoch that took exactly ``len(loader)`` batches skipped that draw, and from
+    epoch 2 on every epoch was shuffled differently from the raw loop's.
+    """
+    from ember.trainer import loop
+
+    ran: list[str] = []
+    original = loop.plain_step
+
+    def spy(fit_loop: Any) -> Any:  # which step each epoch takes: the plain one, or the general one (None)
+        step = original(fit_loop)
+        ran.append("general" if step is None else "plain")
+        return step
+
+    monkeypatch.setattr(loop, "plain_step", spy)
+
+    dataset = make_dataset(640)
+    epochs = 3
+    raw_loader = make_train_loader(dataset, 32)
+    raw_model, raw_losses, _, raw_steps = raw_fit(raw_loader, epochs, sgd_momentum)
+    raw_rng = torch.get_rng_state()
+
+    torch.manual_seed(MODEL_SEED)
+    module = Regressor(sgd_momentum)
+    recorder = _Losses()
+    callbacks: list[ember.Callback] = [recorder] + ([_GeneralLoop()] if batch_loop == "general" else [])
+    loader = make_train_loader(dataset, 32)
+    trainer = ember.Trainer(
+        max_epochs=epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, loader)
+
+    assert ran == [batch_loop] * epochs
+    assert raw_steps == trainer.global_step == 20 * epochs
+    assert torch.equal(torch.stack(recorder.losses), torch.stack(raw_losses))
+    assert_params_equal(raw_model, module)
+    assert torch.equal(torch.get_rng_state(), raw_rng)
+    assert torch.equal(loader.generator.get_state(), raw_loader.generator.get_state())
+
+
+def test_a_limited_epoch_does_not_ask_the_loader_for_more_batches(tmp_path):
+    """``limit_train_batches`` cuts the epoch: the loader is asked for exactly that many batches per epoch."""
+
+    class Counted(TensorDataset):
+        loads = 0
+
+        def __getitem__(self, index: int) -> Any:
+            Counted.loads += 1
+            return super().__getitem__(index)
+
+    dataset = make_dataset(64)
+    counted = Counted(*dataset.tensors)
+    raw_loader = make_train_loader(dataset, 8)
+    for _ in range(2):
+        for _ in itertools.islice(raw_loader, 3):
+            pass
+    loader = make_train_loader(counted, 8)
+    ember_fit(tmp_path, loader, 2, sgd_momentum, limit_train_batches=3)
+    assert Counted.loads == 2 * 3 * 8
+    assert torch.equal(loader.generator.get_state(), raw_loader.generator.get_state())

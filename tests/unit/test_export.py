@@ -403,7 +403,7 @@ def test_an_unsupported_format_or_method_is_one_clear_error(tmp_path: Path) -> N
     with pytest.raises(ExportError) as info:
         export(module, "tflite", tmp_path / "m.tflite")
     assert str(info.value) == (
-        "unsupported export format 'tflite'; choose one of onnx, torchscript, torch-export, safetensors, torchserve"
+        "unsupported export format 'tflite'; choose one of onnx, torchscript, torch-export, safetensors, torchserve, hf"
     )
     with pytest.raises(ExportError, match=r"torchscript method 'compile': choose 'script' or 'trace'"):
         module.to_torchscript(tmp_path / "m.pt", method="compile")

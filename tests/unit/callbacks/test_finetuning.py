@@ -316,7 +316,7 @@ def _resume_fit(
 
 
 def _optimizer_state(trainer: ember.Trainer) -> dict[str, Any]:
-    return trainer.strategy.optimizer_state(trainer._module, trainer.optimizers[0])  # type: ignore[arg-type]
+    return trainer.strategy.optimizer_state(trainer.module, trainer.optimizers[0])
 
 
 @pytest.mark.parametrize(

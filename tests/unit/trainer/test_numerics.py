@@ -58,7 +58,7 @@ def test_skip_drops_the_bad_batches_and_their_steps() -> None:
     trainer = ember.Trainer(max_epochs=1, nonfinite_loss="skip", **QUIET)
     trainer.fit(module, loader())
     assert trainer.global_step == 8  # 10 batches, 2 skipped
-    assert trainer._finite_guard.skipped_batches == 2
+    assert trainer.finite_guard.skipped_batches == 2
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 

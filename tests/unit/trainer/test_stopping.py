@@ -248,7 +248,7 @@ def test_max_time_stops_across_epochs() -> None:
     ],
 )
 def test_max_time_forms(value: Any, seconds: float | None) -> None:
-    assert Trainer(max_time=value, **QUIET).max_time_s == seconds
+    assert Trainer(max_time=value, **QUIET).options.max_time_s == seconds
 
 
 # --- limit_*_batches -----------------------------------------------------------------

@@ -1,0 +1,72 @@
+"""What the loops report: step and epoch metrics to the loggers, and the values callbacks read.
+
+`Reporter` is the one path from a logged value to the loggers (``log_metrics`` at a step,
+``log_epoch_metrics`` at an epoch end, ``finish_eval`` after validate/test) and keeps what
+``trainer.callback_metrics``, ``logged_metrics`` and ``progress_bar_metrics`` show. Values stay tensors
+until a logger writes them; the non-finite guard is checked where the loggers sync anyway.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ember.modules.logging import MetricCollector, to_floats
+
+if TYPE_CHECKING:
+    from ember.trainer.trainer import Trainer
+
+
+class Reporter:
+    """The metrics of a trainer's runs: the collectors (train, eval), the epoch aggregates, what was logged."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.train_collector = MetricCollector(reduce=trainer.strategy.reduce)
+        self.eval_collector = MetricCollector(reduce=trainer.strategy.reduce)
+        #: The collector ``self.log`` writes to now: the eval one while an evaluation runs.
+        self.collector = self.train_collector
+        self.epoch_metrics: dict[str, Any] = {}
+        self.logged: dict[str, float] = {}
+        #: Every epoch metric of the most recent validation/test run, as floats.
+        self.last_eval_metrics: dict[str, float] = {}
+
+    def step_metrics(self) -> dict[str, Any]:
+        """The latest step values: what the module logged plus the precision plugin's (skipped steps)."""
+        return {**self.train_collector.step_values, **self.trainer.strategy.precision.step_metrics()}
+
+    def callback_metrics(self) -> dict[str, float]:
+        return to_floats({**self.epoch_metrics, **self.step_metrics()})
+
+    def progress_bar_metrics(self) -> dict[str, float]:
+        names = self.train_collector.prog_bar_names | self.eval_collector.prog_bar_names
+        merged = {**self.epoch_metrics, **self.train_collector.step_values}
+        return to_floats({k: v for k, v in merged.items() if k in names})
+
+    def log_metrics(self, metrics: dict[str, Any]) -> None:
+        """Send `metrics` to every logger at the current step (process 0 only)."""
+        trainer = self.trainer
+        trainer.finite_guard.check()  # the loggers are about to sync anyway
+        if not metrics or not trainer.loggers or not trainer.is_global_zero:
+            return
+        floats = to_floats(metrics)
+        self.logged.update(floats)
+        floats["epoch"] = trainer.progress.epoch
+        for logger in trainer.loggers:
+            logger.log_metrics(floats, trainer.progress.global_step)
+
+    def log_epoch_metrics(self, metrics: dict[str, Any]) -> None:
+        """Keep `metrics` as the latest epoch aggregates, log them, and let the loggers save."""
+        self.epoch_metrics.update(metrics)
+        self.log_metrics(metrics)
+        for logger in self.trainer.loggers:
+            logger.save()
+
+    def finish_eval(self, metrics: dict[str, Any], num_loaders: int) -> list[dict[str, float]]:
+        """Store an evaluation's epoch metrics; split them per dataloader (none for the sanity check)."""
+        if self.trainer.sanity_checking:
+            return []
+        self.log_epoch_metrics(metrics)
+        floats = self.last_eval_metrics = to_floats(metrics)
+        if num_loaders == 1:
+            return [floats]
+        return [{k: v for k, v in floats.items() if k.endswith(f"/dataloader_idx_{i}")} for i in range(num_loaders)]

@@ -1,0 +1,147 @@
+"""A run: one fit / validate / test / predict call, from what can reject it to its teardown.
+
+`running` is the frame every entry point runs in, as a short sequence of named steps: `prepare` (what
+can reject the run, before anything changes: callbacks, processes, loggers, the checkpoint to load,
+the run directory), `start` (the module set up on its devices, compiled, signals caught, ``setup``),
+the entry point's own work, then `finish` (everything undone, loggers closed, ``teardown``), with
+``on_exception`` for a failure at any point after `prepare`. What a run sets up is kept in the
+trainer's `RunState`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ember import checkpoint as ckpt
+from ember import stages
+from ember.callbacks.callback_list import CallbackList
+from ember.modules.datamodule import DataModule
+from ember.modules.module import TrainingModule
+from ember.strategies import allocator, launcher
+from ember.trainer import checkpointing, signals
+from ember.trainer.setup import default_callbacks, resolve_loggers, run_name
+
+if TYPE_CHECKING:
+    from ember.trainer.trainer import Trainer
+
+
+@dataclass
+class RunState:
+    """What the trainer's runs set up. The run directory and the loggers are kept from the first run on;
+    the rest describes the current (or most recent) run."""
+
+    run_dir: Path | None = None
+    loggers_resolved: bool = False
+    module: TrainingModule | None = None
+    #: The module as the strategy prepared it (moved, wrapped).
+    model: nn.Module | None = None
+    #: The checkpoint this run loaded (``ckpt_path`` resolved).
+    ckpt: Path | None = None
+    preemption: signals.PreemptionFlag = field(default_factory=lambda: signals.PreemptionFlag([]))
+
+
+@contextlib.contextmanager
+def running(
+    trainer: Trainer,
+    stage: stages.Stage,
+    module: TrainingModule,
+    datamodule: DataModule | None,
+    ckpt_path: str | os.PathLike[str] | None = None,
+) -> Iterator[None]:
+    """Run the block as `stage` of `module` (see the module docstring)."""
+    if not isinstance(module, TrainingModule):
+        raise TypeError(f"expected an ember.TrainingModule, got {type(module).__qualname__}")
+    if trainer.profiler is not None:
+        trainer.profiler.begin(trainer, stage.name)
+    hooks, claimed = prepare(trainer, stage, module, ckpt_path)
+    trainer.stage, trainer.should_stop, trainer.hooks, trainer.datamodule = stage.name, False, hooks, datamodule
+    trainer.run_state.module, module._trainer = module, trainer
+    status = "failed"
+    try:
+        start(trainer, stage, module, datamodule)
+        with torch.autograd.detect_anomaly() if trainer.options.detect_anomaly else contextlib.nullcontext():
+            yield
+        trainer.checkpoint_writer.release()  # the last background write is complete (or raised) when fit returns
+        status = "success"
+    except BaseException as exc:
+        status = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else "failed"
+        hooks.on_exception(exc)
+        checkpointing.finish_writes_quietly(trainer)
+        raise
+    finally:
+        finish(trainer, stage, datamodule, status, claimed)
+
+
+def prepare(
+    trainer: Trainer, stage: stages.Stage, module: TrainingModule, ckpt_path: str | os.PathLike[str] | None
+) -> tuple[CallbackList, tuple[Path, Path] | None]:
+    """What can reject the run, before anything changes: callbacks, processes, loggers, the checkpoint to load
+    and the run directory (process 0 claims a new version; every process uses it). Returns the hooks and the
+    claimed directory (with the deepest folder above it that existed before), if one was claimed."""
+    state, options = trainer.run_state, trainer.options
+    hooks = CallbackList(trainer, module, [*trainer.user_callbacks, *default_callbacks(trainer)])
+    if trainer.strategy.needs_launch():
+        launcher.relaunch(trainer.strategy.world_size_requested, signals.resolve_signal(options.requeue_signal))
+    trainer.strategy.setup_environment()
+    allocator.tune_cpu_allocator(options.tune_cpu_allocator)  # once per process, before the run allocates
+    if not state.loggers_resolved:  # only process 0 logs; the others keep no loggers at all
+        trainer.loggers = resolve_loggers(options.logger) if trainer.is_global_zero else []
+        state.loggers_resolved = True
+    root = Path(options.default_root_dir) / (options.run_name or run_name(module))
+    state.ckpt, continued = checkpointing.resolve_ckpt_path(trainer, ckpt_path, root, stage.name)
+    claimed: tuple[Path, Path] | None = None
+    if continued is not None:
+        state.run_dir = continued
+    elif state.run_dir is None:
+        claimed = ckpt.claim_version(root) if trainer.is_global_zero else None
+        state.run_dir = trainer.strategy.broadcast(claimed[0] if claimed is not None else None)
+    for logger in trainer.loggers:
+        logger.attach(trainer.run_dir)
+    return hooks, claimed
+
+
+def start(trainer: Trainer, stage: stages.Stage, module: TrainingModule, datamodule: DataModule | None) -> None:
+    """Set the module up on its device(s), compile it if asked, catch preemption signals, call ``setup``."""
+    state = trainer.run_state
+    state.model = trainer.strategy.setup_module(module)
+    compile_options = trainer.options.compile_options
+    if compile_options is not None and not getattr(module, "_ember_compiled", False):
+        trainer.strategy.compile_module(module, compile_options)  # in place: state_dict keys stay clean
+        module._ember_compiled = True
+    if trainer.options.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    if stage is stages.FIT:
+        requeue = signals.resolve_signal(trainer.options.requeue_signal)
+        state.preemption = signals.PreemptionFlag([signal.SIGTERM] + ([requeue] if requeue is not None else []))
+        state.preemption.install()
+    if datamodule is not None:
+        datamodule.setup(stage.name)
+    trainer.hooks.setup(stage.name)
+
+
+def finish(
+    trainer: Trainer, stage: stages.Stage, datamodule: DataModule | None, status: str, claimed: tuple[Path, Path] | None
+) -> None:
+    """Undo what `start` did, close the loggers, run ``teardown``; release an unused run directory."""
+    trainer.run_state.preemption.restore()
+    for logger in trainer.loggers:
+        logger.finalize(status)
+    trainer.hooks.teardown(stage.name)
+    if datamodule is not None:
+        datamodule.teardown(stage.name)
+    trainer.strategy.teardown()
+    trainer.stage = None
+    if claimed is not None:
+        ckpt.release_if_empty(*claimed)
+    if trainer.profiler is not None:
+        trainer.profiler.end(trainer)

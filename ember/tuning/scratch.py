@@ -1,0 +1,232 @@
+"""Short runs on a user's module that leave no trace: the machinery both finders use.
+
+`scratch_trainer` builds a `Trainer` for a few steps with the options of the
+user's trainer that shape a step (strategy, precision, accumulation, clipping)
+and none of its callbacks, checkpoints or validation. `Snapshot` records what
+such a run changes (module parameters and buffers, train/eval modes, the
+module's attachment to a trainer, the global random streams, the generators of
+the loaders, the datamodule's state) and puts it back bitwise. The user's
+trainer itself is never run, so its counters, optimizers, schedulers and
+callbacks are untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import random
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ember.callbacks.callback import Callback
+
+if TYPE_CHECKING:
+    from ember.loggers.logger import Logger
+    from ember.modules.datamodule import DataModule
+    from ember.modules.module import TrainingModule
+    from ember.trainer.trainer import Trainer
+
+#: Attributes the trainer sets on a module during fit; restored after a scratch run.
+_MODULE_ATTRS = ("_trainer", "_manual_optimizers", "_manual_schedulers", "_manual_backward_fn")
+
+
+def check_supported(trainer: Trainer, what: str) -> None:
+    """Raise for strategies a scratch run cannot undo (FSDP shards the module in place)."""
+    from ember.strategies.fsdp import FSDPStrategy
+
+    if isinstance(trainer.strategy, FSDPStrategy):
+        raise ValueError(
+            f"{what} does not run under FSDP: sharding changes the module in place. Run it with one "
+            "process or DDP (same per-process batch), then train with FSDP"
+        )
+
+
+def scratch_trainer(
+    trainer: Trainer,
+    *,
+    max_steps: int,
+    callbacks: list[Callback],
+    logger: bool | Logger | list[Logger] | None = False,
+    enable_progress_bar: bool | None = None,
+) -> Trainer:
+    """A trainer that runs `max_steps` optimizer steps like `trainer` would, with only `callbacks`.
+
+    The strategy is a shallow copy of `trainer`'s (same processes and process
+    group) with a copy of its precision plugin, so setting up the scratch run
+    changes neither. No sanity check, validation, checkpoints or model summary;
+    the progress bar follows `trainer` unless `enable_progress_bar` says otherwise.
+    """
+    from ember.strategies.parallel import ParallelStrategy
+    from ember.trainer.trainer import Trainer
+
+    strategy = copy.copy(trainer.strategy)
+    topology: dict[str, Any] = {}
+    if isinstance(strategy, ParallelStrategy):  # resolve_strategy sets these again from the keywords
+        topology = {
+            "accelerator": strategy.accelerator,
+            "devices": strategy.devices,
+            "num_nodes": strategy.num_nodes,
+            "use_distributed_sampler": strategy.use_distributed_sampler,
+        }
+    scratch = Trainer(
+        max_steps=max_steps,
+        max_epochs=None,
+        strategy=strategy,
+        **topology,
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
+        gradient_clip_val=trainer.gradient_clip_val,
+        gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+        limit_train_batches=trainer.limit_train_batches,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        log_every_n_steps=trainer.log_every_n_steps,
+        callbacks=callbacks,
+        logger=logger,
+        enable_progress_bar=trainer.enable_progress_bar if enable_progress_bar is None else enable_progress_bar,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=trainer.default_root_dir,
+        run_name=trainer.run_name,
+        requeue_signal=None,
+        deterministic=trainer.deterministic,
+    )
+    scratch.strategy.precision = copy.copy(trainer.strategy.precision)  # resolve_strategy set a fresh 32-true one
+    return scratch
+
+
+def release(scratch: Trainer) -> None:
+    """Drop what a finished scratch run holds on to.
+
+    A DDP wrapper registers gradient hooks on the module's parameters; it must be
+    gone before the next fit wraps the module again, or two reducers would fire.
+    """
+    if hasattr(scratch.strategy, "_ddp"):
+        scratch.strategy._ddp = None
+    scratch.run_state.model = None
+    scratch.run_state.module = None
+    scratch.optimizers, scratch.lr_scheduler_configs = [], []
+    gc.collect()
+
+
+def _loader_generators(loaders: Iterable[Any]) -> list[torch.Generator]:
+    """The generators a DataLoader draws from: its own, its sampler's, its batch sampler's (and that one's sampler)."""
+    found: list[torch.Generator] = []
+    for loader in loaders:
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        owners = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
+        for owner in owners:
+            gen = getattr(owner, "generator", None)
+            if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
+                found.append(gen)
+    return found
+
+
+def _as_list(loaders: Any) -> list[Any]:
+    if loaders is None:
+        return []
+    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+
+@dataclass
+class Snapshot:
+    """Everything a scratch run may change, copied; `restore` writes it back.
+
+    `take` clones every parameter and buffer; restoring copies them into the
+    same tensors (``copy_``), so optimizers and references held elsewhere keep
+    pointing at the module's own parameters.
+    """
+
+    module: TrainingModule
+    tensors: dict[str, Tensor]
+    modes: list[tuple[torch.nn.Module, bool]]
+    attrs: dict[str, Any]
+    grads: dict[str, Tensor | None]
+    python_rng: Any
+    torch_rng: Tensor
+    numpy_rng: Any = None
+    cuda_rng: list[Tensor] | None = None
+    generators: list[tuple[torch.Generator, Tensor]] = field(default_factory=list)
+    datamodule: DataModule | None = None
+    datamodule_state: Any = None
+
+    @classmethod
+    def take(cls, module: TrainingModule, datamodule: DataModule | None = None, loaders: Any = None) -> Snapshot:
+        tensors = {name: t.detach().clone() for name, t in _named_tensors(module)}
+        np = sys.modules.get("numpy")
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return cls(
+            module=module,
+            tensors=tensors,
+            modes=[(m, m.training) for m in module.modules()],
+            attrs={name: getattr(module, name) for name in _MODULE_ATTRS if hasattr(module, name)},
+            grads={name: _clone(p.grad) for name, p in module.named_parameters(remove_duplicate=False)},
+            python_rng=random.getstate(),
+            torch_rng=torch.get_rng_state(),
+            numpy_rng=np.random.get_state() if np is not None else None,
+            cuda_rng=cuda,
+            generators=[(g, g.get_state()) for g in _loader_generators(_as_list(loaders))],
+            datamodule=datamodule,
+            datamodule_state=copy.deepcopy(datamodule.state_dict()) if datamodule is not None else None,
+        )
+
+    def add_loader_generators(self, loaders: Any) -> None:
+        """Also restore the generators of `loaders` (a loader built by a datamodule during the run)."""
+        known = [g for g, _ in self.generators]
+        for gen in _loader_generators(_as_list(loaders)):
+            if all(gen is not g for g in known):
+                self.generators.append((gen, gen.get_state()))
+
+    def restore(self) -> None:
+        current = dict(_named_tensors(self.module))
+        if current.keys() != self.tensors.keys():
+            raise RuntimeError(
+                "the module's parameters and buffers changed names during the run "
+                f"({sorted(set(current) ^ set(self.tensors))[:5]}); cannot put them back"
+            )
+        with torch.no_grad():
+            for name, saved in self.tensors.items():
+                target = current[name]
+                if target.shape != saved.shape or target.dtype != saved.dtype:
+                    raise RuntimeError(f"{name} changed shape or dtype during the run; cannot put it back")
+                target.copy_(saved)
+        for submodule, training in self.modes:
+            submodule.training = training
+        for name, value in self.attrs.items():
+            setattr(self.module, name, value)
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            param.grad = self.grads.get(name)
+        random.setstate(self.python_rng)
+        torch.set_rng_state(self.torch_rng)
+        if self.numpy_rng is not None:
+            sys.modules["numpy"].random.set_state(self.numpy_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        for gen, state in self.generators:
+            gen.set_state(state)
+        if self.datamodule is not None:
+            self.datamodule.load_state_dict(self.datamodule_state)
+
+
+def _clone(tensor: Tensor | None) -> Tensor | None:
+    return None if tensor is None else tensor.detach().clone()
+
+
+class KeepLoaderGenerators(Callback):
+    """Adds the generators of the training loader a datamodule built for the run to `snapshot`, unread."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+
+    def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        self.snapshot.add_loader_generators(trainer.train_dataloader)
+
+
+def _named_tensors(module: TrainingModule) -> list[tuple[str, Tensor]]:
+    named: list[tuple[str, Tensor]] = list(module.named_parameters(remove_duplicate=False))
+    named += [(name, b) for name, b in module.named_buffers(remove_duplicate=False) if b is not None]
+    return named

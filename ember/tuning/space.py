@@ -1,0 +1,273 @@
+"""A sweep's search space file (``sweep.yaml``): the swept config keys, the metric, the sampler and the pruner.
+
+::
+
+    metric: val/acc              # a metric the module logs at validation
+    direction: maximize          # or minimize
+    sampler: tpe                 # tpe | random | grid, or {name: tpe, n_startup_trials: 5, ...}
+    pruner: median               # median | hyperband | none, or {name: median, n_warmup_steps: 2, ...}
+    seed: 0                      # seeds the sampler (optional)
+    parameters:
+      module.lr: {distribution: log_uniform, min: 1.0e-4, max: 1.0e-1}
+      module.hidden: {distribution: int_uniform, min: 32, max: 512}
+      module.dropout: {distribution: uniform, min: 0.0, max: 0.5}
+      data.batch_size: {distribution: categorical, values: [32, 64, 128]}
+
+The format follows W&B sweeps where it can: ``metric`` may also be ``{name:
+val/acc, goal: maximize}``, a parameter with only ``values`` is categorical,
+``log_uniform_values`` is accepted for ``log_uniform``, and ``int_log_uniform``
+samples integers on a log scale. Unlike W&B's ``log_uniform``, whose bounds are
+exponents, ember's ``min``/``max`` are always the values themselves. Samplers
+and pruners are Optuna's (``TPESampler``, ``RandomSampler``, ``GridSampler``;
+``MedianPruner``, ``HyperbandPruner``, ``NopPruner``); their options are passed
+through. A trial reports the metric after every validation; the pruner's step is
+the validation's index (0, 1, ...), so trials with different batch sizes compare
+at the same point.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ember.config.schema import ConfigError
+
+DISTRIBUTIONS = ("uniform", "log_uniform", "int_uniform", "int_log_uniform", "categorical")
+_ALIASES = {"log_uniform_values": "log_uniform"}
+SAMPLERS = ("tpe", "random", "grid")
+PRUNERS = ("median", "hyperband", "none")
+_TOP_KEYS = ("metric", "direction", "sampler", "pruner", "seed", "parameters", "method", "name")
+
+
+@dataclass
+class Parameter:
+    """One swept config key and its distribution."""
+
+    key: str
+    distribution: str
+    low: float | int | None = None
+    high: float | int | None = None
+    values: list[Any] = field(default_factory=list)
+
+    def suggest(self, trial: Any) -> Any:
+        """Draw this parameter's value for an Optuna trial."""
+        if self.distribution == "categorical":
+            return trial.suggest_categorical(self.key, self.values)
+        assert self.low is not None and self.high is not None
+        if self.distribution in ("int_uniform", "int_log_uniform"):
+            return trial.suggest_int(
+                self.key, int(self.low), int(self.high), log=self.distribution == "int_log_uniform"
+            )
+        return trial.suggest_float(self.key, float(self.low), float(self.high), log=self.distribution == "log_uniform")
+
+    def grid(self) -> list[Any]:
+        """The values a grid search visits: the categorical values, or every integer of an int range."""
+        if self.distribution == "categorical":
+            return list(self.values)
+        if self.distribution == "int_uniform" and self.low is not None and self.high is not None:
+            return list(range(int(self.low), int(self.high) + 1))
+        raise ConfigError(
+            f"parameters.{self.key}: the grid sampler needs a list of values; give `values: [...]` instead of "
+            f"distribution {self.distribution}"
+        )
+
+    def example(self) -> Any:
+        """A value inside the distribution (to check the config accepts the key before the sweep starts)."""
+        if self.distribution == "categorical":
+            return self.values[0]
+        assert self.low is not None and self.high is not None
+        return int(self.low) if self.distribution.startswith("int") else float(self.low)
+
+
+@dataclass
+class SweepSpace:
+    """A parsed ``sweep.yaml``; build it with `SweepSpace.load` or `SweepSpace.from_dict`."""
+
+    parameters: dict[str, Parameter]
+    metric: str
+    direction: str = "maximize"
+    sampler: str = "tpe"
+    sampler_options: dict[str, Any] = field(default_factory=dict)
+    pruner: str = "median"
+    pruner_options: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None
+    source: str = "sweep.yaml"
+
+    @classmethod
+    def load(cls, path: str | Path) -> SweepSpace:
+        """Read and check a sweep file; every mistake is a one-line `ConfigError` naming the key."""
+        import yaml
+
+        try:
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read the sweep file: {exc.strerror or exc}") from exc
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+            raise ConfigError(f"{where}: YAML syntax error: {getattr(exc, 'problem', exc)}") from exc
+        return cls.from_dict(data, str(path))
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "sweep.yaml") -> SweepSpace:
+        def error(key: str, problem: str) -> ConfigError:
+            return ConfigError(f"{source}: {key}: {problem}")
+
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a mapping with metric, parameters, ...; got {data!r}")
+        for key in data:
+            if key not in _TOP_KEYS:
+                close = difflib.get_close_matches(str(key), _TOP_KEYS, n=1)
+                hint = f"did you mean {close[0]}?" if close else f"valid keys: {', '.join(_TOP_KEYS)}"
+                raise error(str(key), f"no such key; {hint}")
+        metric, direction = _metric(data, error)
+        sampler, sampler_options = _named(data.get("sampler", data.get("method", "tpe")), "sampler", SAMPLERS, error)
+        sampler = {"bayes": "tpe"}.get(sampler, sampler)
+        pruner, pruner_options = _named(data.get("pruner", "median"), "pruner", PRUNERS, error)
+        seed = data.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise error("seed", f"expected an int, got {seed!r}")
+        raw = data.get("parameters")
+        if not isinstance(raw, dict) or not raw:
+            raise error("parameters", "give at least one config key to sweep, e.g. module.lr: {distribution: ...}")
+        parameters = {str(key): _parameter(str(key), spec, error) for key, spec in raw.items()}
+        space = cls(parameters, metric, direction, sampler, sampler_options, pruner, pruner_options, seed, source)
+        if sampler == "grid":
+            for parameter in parameters.values():
+                parameter.grid()
+        space.make_sampler(0, 0)  # unknown sampler/pruner options fail now, not in the workers
+        space.make_pruner()
+        return space
+
+    def to_dict(self) -> dict[str, Any]:
+        """The space as plain data (saved with the sweep, compared when it is run again)."""
+        return {
+            "metric": self.metric,
+            "direction": self.direction,
+            "sampler": {"name": self.sampler, **self.sampler_options},
+            "pruner": {"name": self.pruner, **self.pruner_options},
+            "seed": self.seed,
+            "parameters": {
+                p.key: {"distribution": p.distribution, "min": p.low, "max": p.high, "values": p.values}
+                for p in self.parameters.values()
+            },
+        }
+
+    def grid_size(self) -> int | None:
+        """Points of the grid (None unless the sampler is grid)."""
+        if self.sampler != "grid":
+            return None
+        size = 1
+        for parameter in self.parameters.values():
+            size *= len(parameter.grid())
+        return size
+
+    def make_sampler(self, worker: int, offset: int) -> Any:
+        """The Optuna sampler of worker `worker`; its seed also depends on `offset` (trials already in the study),
+        so workers, and the workers of a resumed sweep, do not draw the same points."""
+        import optuna
+
+        seed = None if self.seed is None else self.seed + 1_000_003 * worker + offset
+        options = {"seed": seed, **self.sampler_options}
+        if self.sampler == "grid":
+            grid = {key: parameter.grid() for key, parameter in self.parameters.items()}
+            return _build(optuna.samplers.GridSampler, "sampler", self.source, grid, **options)
+        kind = optuna.samplers.TPESampler if self.sampler == "tpe" else optuna.samplers.RandomSampler
+        return _build(kind, "sampler", self.source, **options)
+
+    def make_pruner(self) -> Any:
+        import optuna
+
+        if self.pruner == "median":
+            return _build(optuna.pruners.MedianPruner, "pruner", self.source, **self.pruner_options)
+        if self.pruner == "hyperband":
+            options = {"min_resource": 1, "max_resource": "auto", "reduction_factor": 3, **self.pruner_options}
+            return _build(optuna.pruners.HyperbandPruner, "pruner", self.source, **options)
+        return _build(optuna.pruners.NopPruner, "pruner", self.source, **self.pruner_options)
+
+
+def _build(kind: Any, what: str, source: str, *args: Any, **options: Any) -> Any:
+    accepted = inspect.signature(kind).parameters
+    for name in options:
+        if name not in accepted:
+            close = difflib.get_close_matches(name, list(accepted), n=1)
+            hint = f"did you mean {close[0]}?" if close else f"{kind.__name__} takes: {', '.join(accepted)}"
+            raise ConfigError(f"{source}: {what}.{name}: {kind.__name__} has no option {name!r}; {hint}")
+    try:
+        return kind(*args, **options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: {what}: {kind.__name__}(...) raised {type(exc).__name__}: {exc}") from exc
+
+
+def _metric(data: dict[str, Any], error: Any) -> tuple[str, str]:
+    metric, direction = data.get("metric"), data.get("direction")
+    if isinstance(metric, dict):  # W&B: {name: val/acc, goal: maximize}
+        extra = set(metric) - {"name", "goal"}
+        if extra:
+            raise error(f"metric.{sorted(extra)[0]}", "no such key; a metric has name and goal")
+        direction = direction or metric.get("goal")
+        metric = metric.get("name")
+    if not isinstance(metric, str) or not metric:
+        raise error("metric", "name the metric to optimise, e.g. metric: val/acc (a value the module logs)")
+    direction = direction or "maximize"
+    if direction not in ("maximize", "minimize"):
+        raise error("direction", f"expected maximize or minimize, got {direction!r}")
+    return metric, direction
+
+
+def _named(value: Any, what: str, names: tuple[str, ...], error: Any) -> tuple[str, dict[str, Any]]:
+    options: dict[str, Any] = {}
+    if isinstance(value, dict):
+        options = {k: v for k, v in value.items() if k != "name"}
+        value = value.get("name")
+    if value is None and what == "pruner":
+        value = "none"
+    value = {"bayes": "tpe", "nop": "none"}.get(str(value), value)
+    if value not in names:
+        raise error(what, f"expected one of {', '.join(names)}, got {value!r}")
+    return str(value), options
+
+
+def _parameter(key: str, spec: Any, error: Any) -> Parameter:
+    where = f"parameters.{key}"
+    if not isinstance(spec, dict):
+        raise error(where, f"expected a mapping like {{distribution: log_uniform, min: 1e-4, max: 1e-1}}, got {spec!r}")
+    extra = set(spec) - {"distribution", "min", "max", "values"}
+    if extra:
+        raise error(f"{where}.{sorted(extra)[0]}", "no such key; use distribution, min, max or values")
+    distribution = spec.get("distribution", "categorical" if "values" in spec else None)
+    distribution = _ALIASES.get(str(distribution), distribution)
+    if distribution not in DISTRIBUTIONS:
+        raise error(
+            f"{where}.distribution", f"expected one of {', '.join(DISTRIBUTIONS)}, got {spec.get('distribution')!r}"
+        )
+    if distribution == "categorical":
+        values = spec.get("values")
+        if not isinstance(values, list) or not values:
+            raise error(f"{where}.values", "a categorical parameter needs a non-empty list of values")
+        for value in values:
+            if value is not None and not isinstance(value, (bool, int, float, str)):
+                raise error(f"{where}.values", f"values must be numbers, strings, booleans or null; got {value!r}")
+        return Parameter(key, distribution, values=values)
+    low, high = spec.get("min"), spec.get("max")
+    for name, bound in (("min", low), ("max", high)):
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)):
+            raise error(f"{where}.{name}", f"expected a number, got {bound!r}")
+    assert low is not None and high is not None
+    if not low < high:
+        raise error(where, f"min ({low}) must be below max ({high})")
+    if distribution in ("log_uniform", "int_log_uniform") and low <= 0:
+        raise error(f"{where}.min", f"a log distribution needs min > 0, got {low}")
+    if distribution.startswith("int") and (low != int(low) or high != int(high)):
+        raise error(where, f"an int distribution needs whole-number bounds, got {low} and {high}")
+    return Parameter(key, distribution, low, high)
+
+
+def override(key: str, value: Any) -> str:
+    """``key=value`` as a command-line override that reads back as the same value (JSON is YAML). A string
+    holding ``${...}`` stays an interpolation, as it would in a config file."""
+    return f"{key}={json.dumps(value, ensure_ascii=False)}"

@@ -1,0 +1,47 @@
+"""Hypothesis profiles of the exactness suite, and the count of the configurations it exercised.
+
+``EMBER_HYPOTHESIS_PROFILE`` picks the profile: ``ci`` (default; fixed examples, so CI is repeatable, and
+under 3 minutes on 2 cores) or ``thorough`` (20 times as many examples, freshly drawn each run). Each
+property asks for a multiple of the profile's ``max_examples`` (`exact_strategies.examples`). At the end of
+the session the number of distinct configurations each property ran is printed (and written as JSON to
+``EMBER_EXACTNESS_COUNTS`` when that is set).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import exact_strategies
+
+_COMMON = dict(
+    deadline=None,  # a fit's duration varies with the machine's load
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    database=None,  # found failures are kept as explicit tests (test_regressions.py), not in a cache
+    print_blob=True,
+)
+settings.register_profile("ci", max_examples=6, derandomize=True, **_COMMON)
+settings.register_profile("thorough", max_examples=120, derandomize=False, **_COMMON)
+settings.load_profile(os.environ.get("EMBER_HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    seen = exact_strategies.SEEN
+    if not seen:
+        return
+    profile = os.environ.get("EMBER_HYPOTHESIS_PROFILE", "ci")
+    counts = {prop: len(keys) for prop, keys in sorted(seen.items())}
+    parts = ", ".join(f"{prop} {count}" for prop, count in counts.items())
+    terminalreporter.write_line(
+        f"exactness ({profile} profile): distinct configurations exercised: {parts}; total {sum(counts.values())}"
+    )
+    target = os.environ.get("EMBER_EXACTNESS_COUNTS")
+    if target:
+        Path(target).write_text(json.dumps({"profile": profile, "counts": counts}, indent=1) + "\n")
