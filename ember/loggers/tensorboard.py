@@ -1,20 +1,27 @@
 """`TensorBoardLogger`: scalars, hyperparameters with their final metrics, and histograms.
 
-TensorBoard itself (``torch.utils.tensorboard``) is imported when the first
-event is written, so ``import ember`` stays light.
+Scalars and hyperparameters are written by `EventFile`, which needs only TensorBoard's protocol buffer
+classes: ``torch.utils.tensorboard`` imports TensorBoard's filesystem layer, and with it fsspec and,
+where installed, boto3, which costs a fresh process 0.2 to 1.5 s (docs/benchmarks.md, cold start).
+``torch.utils.tensorboard.SummaryWriter`` is imported only for histograms and for `experiment`.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
+import socket
+import struct
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from ember.loggers.logger import Logger, public_params
 
 if TYPE_CHECKING:
+    from tensorboard.compat.proto.summary_pb2 import Summary
     from torch import Tensor
     from torch.utils.tensorboard import SummaryWriter
 
@@ -33,12 +40,13 @@ class TensorBoardLogger(Logger):
     also writes histograms of every weight and gradient (before clipping)
     every N optimizer steps.
 
-    Scalars are queued and handed to TensorBoard in one batch at the next
-    `save` (epoch ends, before checkpoints, at the end of the run), once
-    ``flush_secs`` have passed since the last batch (as often as TensorBoard's
-    own writer reaches the disk), or at `MAX_QUEUED` queued calls. A logging
-    step costs one list append, not TensorBoard's per-event work and
-    writer-thread wake-up.
+    Scalars are queued and written in one batch at the next `save` (epoch
+    ends, before checkpoints, at the end of the run), once ``flush_secs`` have
+    passed since the last batch (as often as TensorBoard's own writer reaches
+    the disk), or at `MAX_QUEUED` queued calls. A logging step costs one list
+    append. The events file is written by `EventFile`, without importing
+    TensorBoard's writer (a slow import); histograms and `experiment` use
+    ``torch.utils.tensorboard.SummaryWriter``.
 
     On resume (`load_state_dict`) events after the checkpoint's step are purged,
     so the curves read as if the run had never stopped.
@@ -57,6 +65,7 @@ class TensorBoardLogger(Logger):
         self.log_histograms_every_n_steps = log_histograms_every_n_steps
         self.flush_secs = flush_secs
         self._writer: SummaryWriter | None = None
+        self._events: _Events | None = None
         self._purge_step: int | None = None
         self._hparams: dict[str, Any] | None = None
         self._hparams_written = False
@@ -71,14 +80,29 @@ class TensorBoardLogger(Logger):
 
     @property
     def experiment(self) -> SummaryWriter:
-        """The underlying ``torch.utils.tensorboard.SummaryWriter`` (created on first use)."""
+        """This logger's ``torch.utils.tensorboard.SummaryWriter``, for anything else you want to write.
+
+        Created on first use, which imports TensorBoard's writer (histogram logging creates it from the
+        start); from then on the logger's own events go through it as well, so one file holds them all.
+        """
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.log_dir.mkdir(parents=True, exist_ok=True)
+            if self._events is not None:  # a file of its own so far: closed; the writer's file sorts after it
+                self._events.close()
+                self._events = None
             self._writer = SummaryWriter(str(self.log_dir), purge_step=self._purge_step, flush_secs=self.flush_secs)
-            self._purge_step = None  # purge once, when the resumed run writes its first event
+            self._purge_step = None
         return self._writer
+
+    def _event_file(self) -> _Events:
+        if self._events is None:
+            if self._writer is not None or self.log_histograms_every_n_steps:
+                self._events = _WriterEvents(self.experiment)
+            else:
+                self._events = EventFile(self.log_dir, purge_step=self._purge_step)
+                self._purge_step = None  # purge once, when the resumed run writes its first event
+        return self._events
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Queue one scalar per metric at `step`, stamped with the time of this call."""
@@ -91,11 +115,11 @@ class TensorBoardLogger(Logger):
         self._next_write = time.monotonic() + self.flush_secs
         if not queued:
             return
-        writer = self.experiment
+        events = self._event_file()
         for step, wall_time, metrics in queued:
-            for name, value in metrics.items():
-                writer.add_scalar(name, value, step, walltime=wall_time)
-                self._metric_names[name] = None
+            events.add_scalars(metrics, step, wall_time)
+            self._metric_names.update(dict.fromkeys(metrics))
+        events.flush()  # on disk at most flush_secs after it was logged, as with TensorBoard's own writer
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         """Remember the hyperparameters; they are written with the final metrics when the run finishes."""
@@ -110,6 +134,8 @@ class TensorBoardLogger(Logger):
     def save(self) -> None:
         """Write the queued scalars and flush every event to disk."""
         self._write_queued()
+        if self._events is not None:
+            self._events.flush()
         if self._writer is not None:
             self._writer.flush()
 
@@ -118,6 +144,12 @@ class TensorBoardLogger(Logger):
         self._write_queued()
         if self._hparams and not self._hparams_written:
             self._write_hparams(self._hparams)
+        self._close()
+
+    def _close(self) -> None:
+        if self._events is not None:
+            self._events.close()
+            self._events = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -126,20 +158,15 @@ class TensorBoardLogger(Logger):
         """Continue a run: events logged after ``state["step"]`` are purged when writing resumes."""
         self._purge_step = int(state["step"]) + 1
         self._queued = [queued for queued in self._queued if queued[0] < self._purge_step]  # the rest is purged
-        if self._writer is not None:  # reopen so the purge marker is written
-            self._writer.close()
-            self._writer = None
+        self._close()  # the next write opens a new file that starts with the purge marker
 
     def _write_hparams(self, params: dict[str, Any]) -> None:
-        from torch.utils.tensorboard.summary import hparams
-
         # The HPARAMS tab reads each metric's value from its scalar curve; the
         # experiment summary only has to name them.
-        metrics = {name: 0.0 for name in self._metric_names if name != "epoch"}
-        file_writer = self.experiment.file_writer
-        assert file_writer is not None  # SummaryWriter opens it in __init__
-        for summary in hparams(params, metrics):
-            file_writer.add_summary(summary)
+        metrics = [name for name in self._metric_names if name != "epoch"]
+        events = self._event_file()
+        for summary in hparams_summaries(params, metrics):
+            events.add_summary(summary, step=0, wall_time=time.time())
         self._hparams_written = True
 
 
@@ -155,3 +182,141 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any
         else:
             flat[name] = str(value)
     return flat
+
+
+# --- writing event files -------------------------------------------------------------------------------
+
+
+class _Events(Protocol):
+    def add_scalars(self, metrics: Mapping[str, float], step: int, wall_time: float) -> None: ...
+    def add_summary(self, summary: Summary, step: int, wall_time: float) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class _WriterEvents:
+    """The `_Events` of a ``SummaryWriter`` (closing it is the logger's business)."""
+
+    def __init__(self, writer: SummaryWriter) -> None:
+        self._writer = writer
+
+    def add_scalars(self, metrics: Mapping[str, float], step: int, wall_time: float) -> None:
+        for name, value in metrics.items():
+            self._writer.add_scalar(name, value, step, walltime=wall_time)
+
+    def add_summary(self, summary: Summary, step: int, wall_time: float) -> None:
+        file_writer = self._writer.file_writer
+        assert file_writer is not None  # SummaryWriter opens it in __init__
+        file_writer.add_summary(summary, step, wall_time)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        pass
+
+
+#: The file-name counter of `EventFile`: a name sorts after an earlier one of this process, and before a
+#: ``SummaryWriter``'s made in the same second (``-`` sorts before digits), as TensorBoard reads them in order.
+_file_numbers = itertools.count()
+
+
+class EventFile:
+    """Appends TensorBoard events to a new ``events.out.tfevents.*`` file in `log_dir`.
+
+    TensorBoard's record format: for each serialized ``Event``, its length (8 bytes, little-endian), the
+    masked CRC-32C of those 8 bytes, the event, and its masked CRC-32C. The first event names the file
+    format; with `purge_step`, a session start at that step follows, which makes TensorBoard drop the
+    events of earlier files at that step and after (a resumed run's curves continue where the
+    checkpoint was taken).
+    """
+
+    def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+
+        self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
+        log_dir.mkdir(parents=True, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+        self.path = log_dir / f"{name}.-{next(_file_numbers):04d}"
+        self._file: BinaryIO = open(self.path, "wb")  # noqa: SIM115  (closed by close())
+        self._write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if purge_step is not None:
+            start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+            self._write(event_pb2.Event(wall_time=time.time(), step=purge_step, session_log=start))
+
+    def add_scalars(self, metrics: Mapping[str, float], step: int, wall_time: float) -> None:
+        """One scalar event per metric, as ``SummaryWriter.add_scalar`` writes them."""
+        Summary = self._summary_pb2.Summary
+        for name, value in metrics.items():
+            summary = Summary(value=[Summary.Value(tag=name, simple_value=value)])
+            self._write(self._event_pb2.Event(wall_time=wall_time, step=step, summary=summary))
+
+    def add_summary(self, summary: Summary, step: int, wall_time: float) -> None:
+        self._write(self._event_pb2.Event(wall_time=wall_time, step=step, summary=summary))
+
+    def _write(self, event: Any) -> None:
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        self._file.write(
+            header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
+        )
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@functools.cache
+def _crc32c_table() -> tuple[int, ...]:
+    table = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)  # the Castagnoli polynomial, reflected
+        table.append(crc)
+    return tuple(table)
+
+
+def masked_crc32c(data: bytes) -> int:
+    """CRC-32C of `data`, masked as TFRecord files store it."""
+    table, crc = _crc32c_table(), 0xFFFFFFFF
+    for byte in data:
+        crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    crc ^= 0xFFFFFFFF
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def hparams_summaries(params: Mapping[str, Any], metric_names: list[str]) -> list[Summary]:
+    """The three summaries of TensorBoard's HPARAMS tab: the experiment (hyperparameter and metric names),
+    the session start (the values), the session end (success), as ``torch.utils.tensorboard``'s
+    ``hparams()`` makes them. Values are numbers (bools too), strings, or shown as strings."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
+
+    start = plugin_data_pb2.SessionStartInfo()
+    infos = []
+    for name, value in params.items():
+        if value is None:
+            continue
+        if isinstance(value, (bool, int, float)):
+            start.hparams[name].number_value = value
+            kind = "DATA_TYPE_FLOAT64"
+        else:
+            start.hparams[name].string_value = str(value)
+            kind = "DATA_TYPE_STRING"
+        infos.append(api_pb2.HParamInfo(name=name, type=api_pb2.DataType.Value(kind)))
+    experiment = api_pb2.Experiment(
+        hparam_infos=infos, metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(tag=m)) for m in metric_names]
+    )
+    end = plugin_data_pb2.SessionEndInfo(status=api_pb2.Status.Value("STATUS_SUCCESS"))
+    summaries = []
+    for tag, content in (
+        ("_hparams_/experiment", plugin_data_pb2.HParamsPluginData(experiment=experiment, version=0)),
+        ("_hparams_/session_start_info", plugin_data_pb2.HParamsPluginData(session_start_info=start, version=0)),
+        ("_hparams_/session_end_info", plugin_data_pb2.HParamsPluginData(session_end_info=end, version=0)),
+    ):
+        plugin = SummaryMetadata.PluginData(plugin_name="hparams", content=content.SerializeToString())
+        summaries.append(Summary(value=[Summary.Value(tag=tag, metadata=SummaryMetadata(plugin_data=plugin))]))
+    return summaries

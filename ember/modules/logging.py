@@ -2,7 +2,9 @@
 
 Nothing here calls `.item()`: values stay on their device until a logger or the
 progress bar asks for floats through `to_floats`, which pays one host sync for a
-whole dictionary.
+whole dictionary. Epoch sums and means accumulate in float64 (one scalar per
+logged name), so an epoch mean equals a script's float64 ``sum(loss * n) / N``
+to within float32 rounding, however many batches it spans.
 """
 
 from __future__ import annotations
@@ -62,15 +64,21 @@ class _Entry:
     metric: Any = None  # a torchmetrics.Metric when one was logged
     total: Tensor | None = None
     weight: int = 0
+    #: A float64 scalar that a CPU value is copied into before it is added (not checkpointed): on the CPU,
+    #: adding a float32 tensor to a float64 one would cast it into a new tensor first, at every step.
+    scratch: Tensor | None = field(default=None, repr=False)
 
     def accumulate(self, value: Tensor, batch_size: int) -> None:
         value = value.detach()
         if self.total is None:
-            dtype = value.dtype if value.is_floating_point() else torch.float32
-            if self.reduce_fx in ("max", "min"):
-                self.total = value.to(dtype, copy=True)
-            else:
-                self.total = torch.zeros((), dtype=dtype, device=value.device)
+            if self.reduce_fx in ("max", "min"):  # exact in any dtype
+                self.total = value.to(value.dtype if value.is_floating_point() else torch.float32, copy=True)
+            else:  # a float32 running total drifts by several float32 units over a few hundred batches
+                self.total = torch.zeros((), dtype=torch.float64, device=value.device)
+                if value.device.type == "cpu" and value.dtype != torch.float64:
+                    self.scratch = torch.empty((), dtype=torch.float64)
+        if self.scratch is not None:
+            value = self.scratch.copy_(value)  # exact: every float32 is a float64
         if self.reduce_fx == "mean":
             self.total.add_(value, alpha=batch_size)
         elif self.reduce_fx == "sum":
@@ -223,6 +231,11 @@ class MetricCollector:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stage = state["stage"]
         self._entries = {key: _Entry(**fields) for key, fields in state["entries"].items()}
+        for entry in self._entries.values():  # a checkpoint from before float64 totals
+            if entry.reduce_fx in ("mean", "sum") and entry.total is not None:
+                entry.total = entry.total.to(torch.float64)
+                if entry.total.device.type == "cpu":
+                    entry.scratch = torch.empty((), dtype=torch.float64)
         self.step_values = dict(state["step_values"])
         for k, e in self._entries.items():
             tags = ("_step", "_epoch") if e.on_step and e.on_epoch else ("",)

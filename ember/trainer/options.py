@@ -73,6 +73,7 @@ class TrainerOptions:
     nonfinite_loss: str | None = None
     compile: Any = False  # True, False, or a mapping of torch.compile keywords
     profiler: Any = None  # "simple", "pytorch", a ProfilerConfig, a Profiler, or a mapping
+    tune_cpu_allocator: bool = True  # glibc mmap/trim thresholds when a run starts (ember/strategies/allocator.py)
 
     @property
     def max_time_s(self) -> float | None:
@@ -128,6 +129,8 @@ def check(options: TrainerOptions) -> None:
     if options.gradient_clip_algorithm not in ("norm", "value"):
         raise ValueError(f"gradient_clip_algorithm={options.gradient_clip_algorithm!r}; choose 'norm' or 'value'")
     check_val_check_interval(options.val_check_interval)
+    if not isinstance(options.tune_cpu_allocator, bool):
+        raise TypeError(f"tune_cpu_allocator={options.tune_cpu_allocator!r} must be True or False")
     clip = options.gradient_clip_val
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
         raise ValueError(f"gradient_clip_val={clip!r} must be a number >= 0 (0 or None: no clipping)")

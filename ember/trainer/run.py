@@ -26,7 +26,7 @@ from ember import stages
 from ember.callbacks.callback_list import CallbackList
 from ember.modules.datamodule import DataModule
 from ember.modules.module import TrainingModule
-from ember.strategies import launcher
+from ember.strategies import allocator, launcher
 from ember.trainer import checkpointing, signals
 from ember.trainer.setup import default_callbacks, resolve_loggers, run_name
 
@@ -92,6 +92,7 @@ def prepare(
     if trainer.strategy.needs_launch():
         launcher.relaunch(trainer.strategy.world_size_requested, signals.resolve_signal(options.requeue_signal))
     trainer.strategy.setup_environment()
+    allocator.tune_cpu_allocator(options.tune_cpu_allocator)  # once per process, before the run allocates
     if not state.loggers_resolved:  # only process 0 logs; the others keep no loggers at all
         trainer.loggers = resolve_loggers(options.logger) if trainer.is_global_zero else []
         state.loggers_resolved = True

@@ -103,6 +103,7 @@ class Trainer:
         nonfinite_loss: str | None = None,
         compile: bool | dict[str, Any] = False,
         profiler: str | ProfilerConfig | Profiler | dict[str, Any] | None = None,
+        tune_cpu_allocator: bool = True,
     ) -> None:
         #: The options as checked and normalised (fast_dev_run applied, defaults resolved); frozen.
         self.options = options.build({name: value for name, value in locals().items() if name != "self"})

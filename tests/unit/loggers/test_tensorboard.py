@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -43,16 +47,14 @@ def test_scalars_are_queued_until_a_save_or_until_flush_secs_have_passed(
     monkeypatch.setattr("ember.loggers.tensorboard.time.monotonic", lambda: clock[0])
     logger = TensorBoardLogger(tmp_path, flush_secs=30.0)
     logger.log_metrics({"train/loss": 0.5}, step=1)
-    assert not list(tmp_path.glob("events.out.tfevents.*"))  # queued: TensorBoard not even opened yet
+    assert not list(tmp_path.glob("events.out.tfevents.*"))  # queued: no event file opened yet
     clock[0] += 29.0
     logger.log_metrics({"train/loss": 0.25}, step=2)
     assert not list(tmp_path.glob("events.out.tfevents.*"))
     clock[0] += 1.0  # 30 s after the logger was made: this call hands the queue to TensorBoard
     logger.log_metrics({"train/loss": 0.125}, step=3)
-    logger.experiment.flush()
     assert scalars(read(tmp_path), "train/loss") == [(1, 0.5), (2, 0.25), (3, 0.125)]
     logger.log_metrics({"train/loss": 0.0625}, step=4)  # the next batch waits for another 30 s or a save
-    logger.experiment.flush()
     assert len(scalars(read(tmp_path), "train/loss")) == 3
     logger.save()
     assert [step for step, _ in scalars(read(tmp_path), "train/loss")] == [1, 2, 3, 4]
@@ -67,7 +69,6 @@ def test_a_full_queue_is_written_without_waiting_for_flush_secs(tmp_path: Path) 
         logger.log_metrics({"a": float(step)}, step=step)
     assert not list(tmp_path.glob("events.out.tfevents.*"))
     logger.log_metrics({"a": float(MAX_QUEUED)}, step=MAX_QUEUED)  # the queue is full: written now
-    logger.experiment.flush()
     assert len(scalars(read(tmp_path), "a")) == MAX_QUEUED
     logger.finalize("success")
 
@@ -156,3 +157,132 @@ def test_flatten_params() -> None:
     }
     with pytest.raises(ValueError, match="log_histograms_every_n_steps"):
         TensorBoardLogger(log_histograms_every_n_steps=0)
+
+
+# --- ember's own event file, against TensorBoard's writer ----------------------------------------------
+
+
+def records(path: Path) -> list[bytes]:
+    """The serialized events of a TensorBoard event file, with both checksums of each record verified."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    data, out, at = path.read_bytes(), [], 0
+    while at < len(data):
+        header = data[at : at + 8]
+        (length,) = struct.unpack("<Q", header)
+        assert struct.unpack("<I", data[at + 8 : at + 12])[0] == masked_crc32c(header)
+        event = data[at + 12 : at + 12 + length]
+        assert struct.unpack("<I", data[at + 12 + length : at + 16 + length])[0] == masked_crc32c(event)
+        out.append(event)
+        at += 16 + length
+    return out
+
+
+def test_masked_crc32c_equals_tensorboards() -> None:
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as reference
+
+    from ember.loggers.tensorboard import masked_crc32c
+
+    for data in (b"", b"a", b"123456789", bytes(range(256)) * 3, struct.pack("<Q", 1234567)):
+        assert masked_crc32c(data) == reference(data)
+
+
+def test_event_file_writes_the_bytes_summary_writer_writes(tmp_path: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from ember.loggers.tensorboard import EventFile, hparams_summaries
+
+    metrics = {"train/loss": 0.125, "val/acc": 0.875, "epoch": 2.0}
+    params = {"lr": 0.1, "layers": 3, "name": "mlp", "bn": True}
+    writer = SummaryWriter(str(tmp_path / "torch"))
+    for name, value in metrics.items():
+        writer.add_scalar(name, value, 7, walltime=1234.5)
+    for summary in hparams_summaries(params, ["train/loss", "val/acc"]):
+        writer.file_writer.add_summary(summary, 0, 99.0)
+    writer.close()
+    mine = EventFile(tmp_path / "ember")
+    mine.add_scalars(metrics, 7, 1234.5)
+    for summary in hparams_summaries(params, ["train/loss", "val/acc"]):
+        mine.add_summary(summary, 0, 99.0)
+    mine.close()
+    (theirs_file,) = (tmp_path / "torch").iterdir()
+    theirs, ours = records(theirs_file), records(mine.path)
+    assert len(theirs) == len(ours) == 1 + 3 + 3
+    assert ours[1:] == theirs[1:]  # the first event holds the file's creation time
+
+
+def test_hparams_summaries_equal_torch_hparams() -> None:
+    from torch.utils.tensorboard.summary import hparams
+
+    from ember.loggers.tensorboard import hparams_summaries
+
+    params = {"lr": 3e-4, "hidden": 128, "optimizer": "adamw", "amp": False, "skipped": None}
+    metrics = ["train/loss", "val/loss"]
+    expected = hparams(params, dict.fromkeys(metrics, 0.0))
+    assert [s.SerializeToString() for s in hparams_summaries(params, metrics)] == [
+        s.SerializeToString() for s in expected
+    ]
+
+
+def test_histograms_and_scalars_share_one_file_and_a_resume_purges_both(tmp_path: Path) -> None:
+    first = TensorBoardLogger(tmp_path, log_histograms_every_n_steps=1)
+    for step in range(1, 6):
+        first.log_metrics({"a": float(step)}, step=step)
+        first.log_histograms({"w": torch.full((3,), float(step))}, step=step)
+    first.finalize("failed")
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
+    resumed = TensorBoardLogger(tmp_path, log_histograms_every_n_steps=1)  # in the same second, same process
+    resumed.load_state_dict({"step": 3})
+    resumed.log_metrics({"a": 40.0}, step=4)
+    resumed.log_histograms({"w": torch.full((3,), 40.0)}, step=4)
+    resumed.finalize("success")
+    acc = read(tmp_path)
+    assert scalars(acc, "a") == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+    assert [(e.step, e.histogram_value.sum) for e in acc.Histograms("w")] == [(1, 3.0), (2, 6.0), (3, 9.0), (4, 120.0)]
+
+
+def test_experiment_taken_mid_run_continues_in_its_own_file_after_the_loggers(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path)
+    logger.log_metrics({"a": 1.0}, step=1)
+    logger.save()  # the logger's own file holds step 1
+    logger.experiment.add_scalar("custom", 5.0, 2)
+    logger.log_metrics({"a": 2.0}, step=2)
+    logger.finalize("success")
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
+    acc = read(tmp_path)
+    assert scalars(acc, "a") == [(1, 1.0), (2, 2.0)]
+    assert scalars(acc, "custom") == [(2, 5.0)]
+
+
+def test_a_fit_with_the_default_loggers_does_not_import_tensorboards_writer(tmp_path: Path) -> None:
+    code = """
+import sys, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import ember
+class Tiny(ember.TrainingModule):
+    def __init__(self, lr=0.1):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model, self.loss_fn = nn.Linear(4, 2), nn.CrossEntropyLoss()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,))), batch_size=4)
+trainer = ember.Trainer(max_epochs=2, enable_progress_bar=False, default_root_dir=sys.argv[1])
+trainer.fit(Tiny(), data, data)
+heavy = [m for m in ("torch.utils.tensorboard", "tensorboard.compat.tensorflow_stub") if m in sys.modules]
+print(heavy, trainer.run_dir)
+"""
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    heavy, run_dir = out.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert heavy == "[]"
+    acc = read(Path(run_dir) / "tensorboard")
+    assert [step for step, _ in scalars(acc, "val/loss")] == [4, 8]
+    assert set(acc.PluginTagToContent("hparams")) == {
+        "_hparams_/experiment",
+        "_hparams_/session_start_info",
+        "_hparams_/session_end_info",
+    }

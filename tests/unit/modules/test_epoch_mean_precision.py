@@ -1,0 +1,143 @@
+"""Epoch means are exact to float32 rounding: they equal a float64 ``sum(loss * n) / N`` written by hand.
+
+Accumulated in float32, a mean over a few hundred batches is off by several float32 units (up to 3e-6
+on a loss near 5), enough to flip a plateau scheduler's or early stopping's decision on a near tie.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+from ember.modules.logging import MetricCollector
+
+QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+
+
+def float32_half_ulp(value: float) -> float:
+    """Half the spacing of float32 numbers at `value`: what rounding the exact mean to float32 may cost."""
+    return float(np.spacing(np.float32(abs(value)))) / 2
+
+
+class Regression(ember.TrainingModule):
+    """Records every logged loss and its batch size, as the float64 hand computation sees them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Linear(8, 1)
+        self.seen: dict[str, list[tuple[float, int]]] = {"train": [], "val": []}
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.model(x).squeeze(-1), y)
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train/loss", loss, on_step=False, on_epoch=True)
+        self.seen["train"].append((float(loss.detach()), len(batch[0])))
+        return loss
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        loss = self._loss(batch)
+        self.log("val/loss", loss)
+        if not self.trainer.sanity_checking:
+            self.seen["val"].append((float(loss), len(batch[0])))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def hand_mean(pairs: list[tuple[float, int]]) -> float:
+    """The script's epoch mean: float64 ``sum(loss * n) / N``."""
+    return sum(loss * n for loss, n in pairs) / sum(n for _, n in pairs)
+
+
+def data(n: int, seed: int, scale: float) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, scale * (x.sum(1) + torch.randn(n, generator=g)))
+
+
+def test_fit_epoch_means_match_a_float64_hand_computation() -> None:
+    # 3,001 samples in batches of 7 (the last holds 5): 429 batches; losses near 10 sum to ~3e4, where
+    # float32 numbers are 0.002 apart.
+    torch.manual_seed(0)
+    module = Regression()
+    train = DataLoader(data(3001, 0, 1.0), batch_size=7)
+    val = DataLoader(data(3001, 1, 1.0), batch_size=7)
+    trainer = ember.Trainer(max_epochs=1, num_sanity_val_steps=0, **QUIET)
+    trainer.fit(module, train, val)
+    for stage, key in (("train", "train/loss"), ("val", "val/loss")):
+        expected = hand_mean(module.seen[stage])
+        assert len(module.seen[stage]) == 429
+        logged = trainer.callback_metrics[key]
+        assert abs(logged - expected) <= float32_half_ulp(expected), (stage, logged, expected)
+
+
+def test_validate_mean_matches_hand_computation_where_float32_accumulation_does_not() -> None:
+    torch.manual_seed(1)
+    module = Regression()
+    val = DataLoader(data(4099, 2, 3.0), batch_size=13)
+    (result,) = ember.Trainer(**QUIET).validate(module, val)
+    expected = hand_mean(module.seen["val"])
+    assert abs(result["val/loss"] - expected) <= float32_half_ulp(expected)
+    # The same sums in float32 miss by more than that: the check above can fail.
+    total = torch.zeros((), dtype=torch.float32)
+    for loss, n in module.seen["val"]:
+        total.add_(torch.tensor(loss, dtype=torch.float32), alpha=n)
+    float32_mean = float(total / 4099)
+    assert abs(float32_mean - expected) > float32_half_ulp(expected)
+
+
+@pytest.mark.parametrize("reduce_fx", ["mean", "sum"])
+def test_collector_accumulates_in_float64(reduce_fx: str) -> None:
+    # 20,000 values around 1e3 with a small spread: a float32 running total loses the spread entirely.
+    g = torch.Generator().manual_seed(3)
+    values = (1000 + torch.rand(20_000, generator=g)).float()
+    sizes = torch.randint(1, 64, (20_000,), generator=g).tolist()
+    collector = MetricCollector()
+    collector.start_epoch("validation")
+    for value, size in zip(values, sizes, strict=True):
+        collector.log("val/x", value, None, None, False, reduce_fx, False, size)
+    (result,) = collector.epoch_values().values()
+    pairs = [(float(v), n) for v, n in zip(values, sizes, strict=True)]
+    expected = hand_mean(pairs) if reduce_fx == "mean" else math.fsum(v for v, _ in pairs)
+    assert abs(float(result) - expected) <= float32_half_ulp(expected)
+
+
+def test_a_float32_total_from_an_older_checkpoint_keeps_accumulating_in_float64() -> None:
+    collector = MetricCollector()
+    collector.start_epoch("train")
+    collector.log("train/loss", torch.tensor(2.0), False, True, False, "mean", False, 3)
+    state = collector.state_dict()
+    state["entries"]["train/loss"]["total"] = state["entries"]["train/loss"]["total"].float()  # as saved before
+    restored = MetricCollector()
+    restored.load_state_dict(state)
+    restored.log("train/loss", torch.tensor(1.0), False, True, False, "mean", False, 1)
+    (value,) = restored.epoch_values().values()
+    assert value.dtype == torch.float64
+    assert float(value) == (2.0 * 3 + 1.0) / 4
+
+
+def test_accumulating_allocates_nothing_per_step() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    collector = MetricCollector()
+    collector.start_epoch("validation")
+    loss = torch.tensor(0.25)
+    collector.log("val/loss", loss, None, None, False, "mean", False, 4)  # the first log creates the totals
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            collector.log("val/loss", loss, None, None, False, "mean", False, 4)
+    names = {event.name for event in prof.events()}
+    assert "aten::add_" in names
+    assert not {name for name in names if name.startswith(("aten::empty", "aten::to", "aten::_to_copy"))}, names
+    assert float(collector.epoch_values()["val/loss"]) == 0.25

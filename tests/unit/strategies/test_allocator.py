@@ -1,0 +1,170 @@
+"""CPU allocator tuning: applied on glibc Linux when a run starts, and not when opted out or not glibc's malloc.
+
+Each case runs in a fresh process (the setting is process-wide and cannot be undone). The child runs a
+one-step fit, then reads glibc's behaviour back through ``mallinfo2``: a 64 MiB request is served by
+``mmap`` with glibc's defaults (its adaptive threshold stops at 32 MiB), and from the heap, where the
+freed block stays for the next request, once ember raised the thresholds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ember.strategies import allocator
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _glibc_with_mallinfo2() -> bool:
+    if not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION"):
+        return False
+    return hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")  # glibc >= 2.33
+
+
+requires_glibc = pytest.mark.skipif(
+    not _glibc_with_mallinfo2(), reason="needs Linux with glibc >= 2.33 (mallopt and mallinfo2 to read it back)"
+)
+
+CHILD = r"""
+import ctypes, json, sys
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import ember
+from ember.strategies import allocator
+
+class Tiny(ember.TrainingModule):
+    def __init__(self):
+        super().__init__()
+        self.model, self.loss_fn = nn.Linear(4, 2), nn.CrossEntropyLoss()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+def fit(**options):
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), batch_size=4)
+    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    ember.Trainer(max_steps=1, **quiet, **options).fit(Tiny(), data)
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+def probe():
+    # What glibc does with a 64 MiB request: mmapped (hblkhd grows), or from the heap and kept after free.
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    size = 64 << 20
+    before = libc.mallinfo2().hblkhd
+    block = libc.malloc(size)
+    mmapped = libc.mallinfo2().hblkhd - before >= size
+    libc.free(block)
+    return {"mmapped": mmapped, "kept_after_free": libc.mallinfo2().keepcost >= size}
+
+for options in json.loads(sys.argv[1]):
+    fit(**options)
+status = allocator.allocator_status()
+print(json.dumps({"applied": status.applied, "reason": status.reason, **probe()}))
+"""
+
+
+def run_child(fits: list[dict[str, Any]], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run the fits (one Trainer's keywords each) in a fresh process; what ember says and what glibc does."""
+    full_env = {k: v for k, v in os.environ.items() if k != allocator.ENV_VAR and not k.startswith("MALLOC_")}
+    full_env.pop("LD_PRELOAD", None)
+    full_env.update(PYTHONPATH=str(ROOT), **(env or {}))
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(fits)], capture_output=True, text=True, env=full_env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+@requires_glibc
+def test_applied_when_a_run_starts_and_glibc_keeps_freed_blocks() -> None:
+    tuned = run_child([{}])
+    assert tuned["applied"], tuned
+    assert "mmap threshold 256 MiB, trim threshold 1024 MiB" in tuned["reason"]
+    assert not tuned["mmapped"] and tuned["kept_after_free"], tuned
+
+
+@requires_glibc
+def test_opted_out_by_the_trainer_keyword() -> None:
+    result = run_child([{"tune_cpu_allocator": False}])
+    assert not result["applied"] and "tune_cpu_allocator=False" in result["reason"]
+    # glibc's defaults: the same request is mmapped and unmapped again (what the other tests rule out).
+    assert result["mmapped"] and not result["kept_after_free"], result
+
+
+@requires_glibc
+def test_opted_out_by_the_environment_variable() -> None:
+    result = run_child([{}], env={allocator.ENV_VAR: "0"})
+    assert not result["applied"] and "EMBER_TUNE_CPU_ALLOCATOR=0" in result["reason"]
+    assert result["mmapped"], result
+
+
+@requires_glibc
+def test_a_later_run_that_allows_it_applies_it_once() -> None:
+    result = run_child([{"tune_cpu_allocator": False}, {}, {"tune_cpu_allocator": False}])
+    assert result["applied"], result  # applied by the second fit; the third cannot undo it
+    assert not result["mmapped"], result
+
+
+@requires_glibc
+def test_malloc_options_the_user_set_are_left_alone() -> None:
+    result = run_child([{}], env={"MALLOC_ARENA_MAX": "2"})
+    assert not result["applied"] and "MALLOC_ARENA_MAX" in result["reason"], result
+    assert result["mmapped"], result
+
+
+@requires_glibc
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build a malloc replacement to preload")
+def test_not_applied_when_another_allocator_provides_malloc(tmp_path: Path) -> None:
+    # A stand-in for a preloaded jemalloc/tcmalloc: a library whose malloc replaces glibc's for the process.
+    source = tmp_path / "replacement.c"
+    source.write_text(
+        "#include <stddef.h>\n"
+        "extern void *__libc_malloc(size_t);\n"
+        "void *malloc(size_t n) { return __libc_malloc(n); }\n"
+    )
+    library = tmp_path / "libreplacementmalloc.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True, timeout=60)
+    result = run_child([{}], env={"LD_PRELOAD": str(library)})
+    assert not result["applied"], result
+    assert "another allocator provides malloc" in result["reason"] and "libreplacementmalloc.so" in result["reason"]
+    assert result["mmapped"], result
+
+
+def test_a_bad_environment_value_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(allocator, "_status", None)
+    monkeypatch.setenv(allocator.ENV_VAR, "maybe")
+    with pytest.raises(ValueError, match=r"EMBER_TUNE_CPU_ALLOCATOR='maybe': use 0 .* 1"):
+        allocator.tune_cpu_allocator()
+
+
+def test_the_keyword_takes_a_bool() -> None:
+    with pytest.raises(TypeError, match="tune_cpu_allocator must be True or False; got 'no'"):
+        allocator.tune_cpu_allocator("no")  # type: ignore[arg-type]
+
+
+def test_not_applied_off_linux(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "platform", "darwin")
+    status = allocator._apply()
+    assert not status.applied and "not Linux" in status.reason
+
+
+def test_the_trainer_keyword_is_in_the_config_schema() -> None:
+    from ember.config.schema import TrainerConfig
+
+    assert TrainerConfig().tune_cpu_allocator is True
