@@ -212,13 +212,23 @@ def run_command(argv: list[str]) -> int:
     """``ember ARGV`` in this process. ``trainer.devices=N`` becomes 1: the command line, the strategy and the
     config still run; several processes (which re-launch the program they run in, here pytest) are what
     tests/distributed runs."""
+    import os
+
+    import torch.distributed as dist
+
     argv = [("trainer.devices=1" if a.startswith("trainer.devices=") else a) for a in argv]
+    environ = dict(os.environ)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             return main(argv)
         except SystemExit as exc:  # argparse rejected the documented command line
             return int(exc.code or 0)
+        finally:  # a ddp/fsdp strategy joined a process group and exported RANK, MASTER_PORT, ...: undo both
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            os.environ.clear()
+            os.environ.update(environ)
 
 
 def _marked() -> list[str]:
