@@ -106,6 +106,8 @@ class Workload:
     """One model with its data: builds fresh copies, runs the hand-written loop."""
 
     name = ""
+    #: The validation value both loops compute (ember logs it; the hand loop reads it once per epoch).
+    val_name = "val/loss"
     trainer_options: dict[str, Any] = {}
 
     def __init__(self, sizes: Sizes, device: Any) -> None:
@@ -173,19 +175,21 @@ class WordLM(Workload):
             middle = clock()
             lm.eval()
             with torch.no_grad():
-                hidden, loss_sum, tokens = None, torch.zeros((), device=self.device), 0
+                hidden, loss_sum, tokens = None, torch.zeros((), dtype=torch.float64, device=self.device), 0
                 for inputs, targets in _limited(val_loader, s.val_batches):
                     inputs, targets = _to((inputs, targets), self.device)
                     if hidden is None:
                         hidden = lm.init_hidden(inputs.shape[1])
                     logits, hidden = lm(inputs, hidden)
-                    loss_sum += len(inputs) * F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+                    loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+                    loss_sum += len(inputs) * loss.double()
                     tokens += len(inputs)
                 val_loss = float(loss_sum / tokens)
             lm.train()
             end = clock()
             torch.set_rng_state(rng)
             plateau.step(val_loss)
+            times["val"] = val_loss
             add(times, "train", start, middle)
             add(times, "eval", middle, end)
         return times
@@ -232,11 +236,11 @@ class CharTransformerWorkload(Workload):
             middle = clock()
             module.eval()
             with torch.no_grad():
-                loss_sum, count = torch.zeros((), device=self.device), 0
+                loss_sum, count = torch.zeros((), dtype=torch.float64, device=self.device), 0
                 for inputs, targets in _limited(val_loader, s.val_batches):
                     inputs, targets = _to((inputs, targets), self.device)
                     logits = module(inputs)
-                    loss_sum += len(inputs) * F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                    loss_sum += len(inputs) * F.cross_entropy(logits.flatten(0, 1), targets.flatten()).double()
                     ppl.update(logits, targets)
                     count += len(inputs)
                 val_loss, val_ppl = float(loss_sum / count), float(ppl.compute())
@@ -244,7 +248,8 @@ class CharTransformerWorkload(Workload):
             module.train()
             end = clock()
             torch.set_rng_state(rng)
-            del val_loss, val_ppl
+            times["val"] = val_loss
+            del val_ppl
             add(times, "train", start, middle)
             add(times, "eval", middle, end)
         return times
@@ -288,11 +293,11 @@ class CNNWorkload(Workload):
             middle = clock()
             model.eval()
             with torch.no_grad():
-                loss_sum, count = torch.zeros((), device=self.device), 0
+                loss_sum, count = torch.zeros((), dtype=torch.float64, device=self.device), 0
                 for inputs, targets in _limited(val_loader, s.val_batches):
                     inputs, targets = _to((inputs, targets), self.device)
                     logits = model(inputs)
-                    loss_sum += len(inputs) * loss_fn(logits, targets)
+                    loss_sum += len(inputs) * loss_fn(logits, targets).double()
                     accuracy.update(logits, targets)
                     count += len(inputs)
                 val_loss, val_acc = float(loss_sum / count), float(accuracy.compute())
@@ -300,7 +305,8 @@ class CNNWorkload(Workload):
             model.train()
             end = clock()
             torch.set_rng_state(rng)
-            del val_loss, val_acc
+            times["val"] = val_loss
+            del val_acc
             sched.step()
             add(times, "train", start, middle)
             add(times, "eval", middle, end)
@@ -309,6 +315,7 @@ class CNNWorkload(Workload):
 
 class GANWorkload(Workload):
     name = "gan"
+    val_name = "val/swd"
 
     def make_data(self) -> Any:
         from examples.gan import RingData
@@ -357,18 +364,18 @@ class GANWorkload(Workload):
             middle = clock()
             module.eval()
             with torch.no_grad():
-                distance_sum, count = torch.zeros((), device=self.device), 0
+                distance_sum, count = torch.zeros((), dtype=torch.float64, device=self.device), 0
                 for batch_idx, (real,) in enumerate(_limited(val_loader, s.val_batches)):
                     real = real.to(self.device, non_blocking=True)
                     noise_gen = torch.Generator(device=real.device).manual_seed(batch_idx)
                     z = torch.randn(len(real), latent, generator=noise_gen, device=real.device)
-                    distance_sum += len(real) * sliced_wasserstein(gen(z), real, module.directions)
+                    distance_sum += len(real) * sliced_wasserstein(gen(z), real, module.directions).double()
                     count += len(real)
                 val_swd = float(distance_sum / count)
             module.train()
             end = clock()
             torch.set_rng_state(rng)
-            del val_swd
+            times["val"] = val_swd
             add(times, "train", start, middle)
             add(times, "eval", middle, end)
         return times
@@ -404,6 +411,7 @@ def ember_fit(work: Workload, module: Any, sync: Callable[[], None]) -> dict[str
         def on_validation_end(self, trainer: ember.Trainer, module: ember.TrainingModule) -> None:
             if not trainer.sanity_checking:
                 add(self.times, "eval", self.mark, clock())
+                self.times["val"] = float(trainer.callback_metrics[work.val_name])
 
     s, phase_clock = work.sizes, PhaseClock()
     trainer = ember.Trainer(
@@ -462,16 +470,17 @@ def run_child(names: list[str], short: bool, rounds: int, device_name: str, thre
             return times, module
 
         runs = {"ember": run_ember, "hand": run_hand}
-        _, ember_module = runs["ember"]()  # warm-up; ember's first fit tunes the allocator (unless switched off)
-        _, hand_module = runs["hand"]()
+        ember_times, ember_module = runs["ember"]()  # warm-up; ember's first fit tunes the allocator (unless off)
+        hand_times, hand_module = runs["hand"]()
         equal, max_diff = compare(ember_module, hand_module)
+        val = [ember_times["val"], hand_times["val"]]  # the last validation's value: logged by ember, by hand
         del ember_module, hand_module
         timings: dict[str, list[dict[str, float]]] = {"ember": [], "hand": []}
         for round_ in range(rounds):
             for side in ("ember", "hand") if round_ % 2 == 0 else ("hand", "ember"):
                 times, _ = runs[side]()
                 timings[side].append(times)
-        results[name] = {"timings": timings, "equal": equal, "max_diff": max_diff}
+        results[name] = {"timings": timings, "equal": equal, "max_diff": max_diff, "val": val}
     status = allocator_status()
     return {
         "workloads": results,
@@ -511,6 +520,16 @@ def median_of(runs: list[dict[str, float]], phase: str) -> float:
     return statistics.median(r[phase] for r in runs)
 
 
+def val_difference(members: list[dict[str, Any]]) -> float:
+    """The largest relative difference between ember's and the hand loop's last validation value."""
+    return max(abs(e - h) / max(abs(h), 1e-30) for e, h in (m["val"] for m in members))
+
+
+def val_agrees(members: list[dict[str, Any]]) -> bool:
+    """Equal to within float32 rounding of the value (2**-23 relative: one float32 unit)."""
+    return val_difference(members) <= 2.0**-23
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--short", action="store_true", help="a few batches, one process per setting (for CI)")
@@ -519,6 +538,7 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in each process")
+    parser.add_argument("--json", help="also write the figures to this file (ratios, medians, peak RSS, agreement)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rounds is None:
@@ -586,6 +606,14 @@ def report(names: list[str], children: dict[bool, list[dict[str, Any]]], args: a
             for name in names
         )
     )
+    print("last validation value, ember's logged epoch mean vs the hand loop's float64 sum(value * n) / N: ", end="")
+    print(
+        ", ".join(
+            f"{name} {CLASSES[name].val_name} {members(name)[0]['val'][0]:.6f} "
+            + ("agree" if val_agrees(members(name)) else f"DIFFER (relative {val_difference(members(name)):.1e})")
+            for name in names
+        )
+    )
     print("\nthe tuning: median wall time tuned / not tuned, each side across processes; peak RSS of a process")
     print(
         f"  {'workload':17s} {'ember train':>11s} {'ember eval':>11s} {'hand train':>11s} {'hand eval':>11s}"
@@ -617,6 +645,37 @@ def report(names: list[str], children: dict[bool, list[dict[str, Any]]], args: a
     ok = all(value <= GOAL for _, value in figures)
     goals = ", ".join(f"{label} x{value:.3f} <= {GOAL:.2f}" for label, value in figures)
     print(f"verdict: {'meets' if ok else 'misses'} the goals (wall clock, tuned: {goals})")
+    if args.json:
+        summary = {
+            "device": args.device,
+            "short": args.short,
+            "allocator": status,
+            "verdict": "meets" if ok else "misses",
+            "workloads": {
+                name: {
+                    "equal": all(m["equal"] for m in members(name)),
+                    "max_diff": max(m["max_diff"] for m in members(name)),
+                    "val": [m["val"] for m in members(name)],  # [ember, hand] per process
+                    "val_agrees": val_agrees(members(name)),
+                    **{
+                        ("tuned" if tuned else "not_tuned"): {
+                            "ratio": {
+                                p: median_ratio(runs(tuned, name, "ember"), runs(tuned, name, "hand"), p)
+                                for p in (*PHASES, "fit")
+                            },
+                            "ember_s": {p: median_of(runs(tuned, name, "ember"), p) for p in PHASES},
+                            "hand_s": {p: median_of(runs(tuned, name, "hand"), p) for p in PHASES},
+                            "peak_rss_mib": statistics.median(
+                                c["maxrss_mib"] for c in children[tuned] if name in c["workloads"]
+                            ),
+                        }
+                        for tuned in (True, False)
+                    },
+                }
+                for name in names
+            },
+        }
+        Path(args.json).write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ class CSVLogger(Logger):
     """Writes one row per logging call to ``metrics.csv`` (and ``hparams.yaml``).
 
     Columns are ``step``, ``epoch`` and every metric seen so far; a metric
-    absent from a row is an empty cell. Rows are buffered and written at epoch
-    ends, before checkpoints and when the run finishes. Without ``save_dir``
+    absent from a row is an empty cell. Rows and hyperparameters are buffered
+    and written at epoch ends, before checkpoints and when the run finishes. Without ``save_dir``
     the files go into the trainer's run directory. On resume, rows logged
     after the checkpoint's step are dropped, so the file reads as if the run
     had never stopped.
@@ -28,6 +28,7 @@ class CSVLogger(Logger):
         self._rows: list[dict[str, Any]] = []
         self._columns: list[str] = ["step"]
         self._written = 0
+        self._hparams: dict[str, Any] | None = None  # to write at the next save
         self._header: list[str] = []
         self._adopted = False  # whether a metrics.csv already there was read (see `_adopt_existing`)
 
@@ -45,15 +46,22 @@ class CSVLogger(Logger):
         self._rows.append(row)
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
-        """Write ``hparams.yaml`` (entries named like credentials are left out)."""
-        from omegaconf import OmegaConf
+        """Keep the hyperparameters for ``hparams.yaml`` (entries named like credentials are left out).
 
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        text = OmegaConf.to_yaml(OmegaConf.create(_plain(public_params(params))))
-        atomic_write(self.log_dir / "hparams.yaml", text)
+        The file is written with the rows, at the next `save` (an epoch end, a checkpoint, the run's end),
+        so a run's first batch does not wait for a YAML writer's import and an fsync.
+        """
+        self._hparams = _plain(public_params(params))
 
     def save(self) -> None:
-        """Write the buffered rows: appended when the columns are unchanged, else the file is rewritten atomically."""
+        """Write ``hparams.yaml`` if new, then the buffered rows: appended when the columns are unchanged, else
+        the file is rewritten atomically."""
+        if self._hparams is not None:
+            from omegaconf import OmegaConf  # 50-200 ms to import: not before the first batch
+
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.log_dir / "hparams.yaml", OmegaConf.to_yaml(OmegaConf.create(self._hparams)))
+            self._hparams = None
         if len(self._rows) == self._written:
             return
         self._adopt_existing()

@@ -69,7 +69,8 @@ class _Entry:
     scratch: Tensor | None = field(default=None, repr=False)
 
     def accumulate(self, value: Tensor, batch_size: int) -> None:
-        value = value.detach()
+        if value.requires_grad:  # a training loss; evaluation values (no_grad) need no new tensor object
+            value = value.detach()
         if self.total is None:
             if self.reduce_fx in ("max", "min"):  # exact in any dtype
                 self.total = value.to(value.dtype if value.is_floating_point() else torch.float32, copy=True)

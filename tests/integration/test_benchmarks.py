@@ -24,8 +24,8 @@ SHORT_RUNS = {
     "checkpoint.py": ["--short"],
     "small_checkpoint.py": ["--short"],
     "ddp_overhead.py": ["--short"],  # starts itself under torchrun: 2 gloo processes
-    "real_workloads.py": ["--short"],  # 2 processes: allocator tuned and not
     "cold_start.py": ["--repeats", "1"],
+    # real_workloads.py --short: tests/integration/test_real_workloads.py (checks its figures as well)
 }
 
 

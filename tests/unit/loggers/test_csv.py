@@ -45,6 +45,8 @@ def test_without_save_dir_it_writes_into_the_attached_run_dir(tmp_path: Path) ->
 def test_hparams_yaml(tmp_path: Path) -> None:
     logger = CSVLogger(save_dir=tmp_path)
     logger.log_hyperparams({"lr": 0.1, "layers": [1, 2], "act": object})
+    assert not (logger.log_dir / "hparams.yaml").exists()  # written with the rows, not before the first batch
+    logger.save()
     text = (logger.log_dir / "hparams.yaml").read_text()
     assert "lr: 0.1" in text and "- 1" in text and "act: <class 'object'>" in text
 
@@ -84,3 +86,11 @@ def test_resume_drops_rows_after_the_checkpoint_step(tmp_path: Path) -> None:
         ("3", "3.0", ""),
         ("4", "40.0", "1.0"),
     ]
+
+
+def test_hparams_are_written_by_finalize_without_rows(tmp_path: Path) -> None:
+    logger = CSVLogger(save_dir=tmp_path / "run")
+    logger.log_hyperparams({"lr": 0.1})
+    logger.finalize("failed")
+    assert (tmp_path / "run" / "hparams.yaml").read_text() == "lr: 0.1\n"
+    assert not (tmp_path / "run" / "metrics.csv").exists()

@@ -168,3 +168,28 @@ def test_the_trainer_keyword_is_in_the_config_schema() -> None:
     from ember.config.schema import TrainerConfig
 
     assert TrainerConfig().tune_cpu_allocator is True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the detection runs on Linux only")
+def test_a_detected_allocator_stops_it_before_mallopt(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The detection seam: whatever other_allocator reports, mallopt is not reached.
+    monkeypatch.setattr(allocator, "other_allocator", lambda: "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+
+    def no_libc(name: str) -> None:
+        raise AssertionError(f"mallopt was looked up in {name} although another allocator provides malloc")
+
+    monkeypatch.setattr(allocator.ctypes, "CDLL", no_libc)
+    status = allocator._apply()
+    if os.confstr("CS_GNU_LIBC_VERSION"):
+        assert not status.applied and status.reason == (
+            "another allocator provides malloc: /usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
+        )
+    else:
+        assert not status.applied and "not glibc" in status.reason
+
+
+def test_the_trainer_rejects_a_non_bool_before_any_work() -> None:
+    import ember
+
+    with pytest.raises(TypeError, match="tune_cpu_allocator='no' must be True or False"):
+        ember.Trainer(tune_cpu_allocator="no")  # type: ignore[arg-type]
