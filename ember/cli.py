@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                 metavar="version_N",
                 help="with --ckpt-path best|last: take the checkpoint from this run (runs/<name>/version_N)",
             )
+    from ember.export.command import add_export_parser
+
     add_export_parser(commands)
     from ember.tuning.cli import add_parsers  # `ember tune` and `ember sweep` live in ember/tuning/
 
@@ -106,46 +108,6 @@ def add_command(
 def add_seed(sub: argparse.ArgumentParser) -> None:
     """``--seed N``, for the subcommands that train or evaluate."""
     sub.add_argument("--seed", type=int, metavar="N", help="seed everything with N (same as seed=N)")
-
-
-EXPORT_EPILOG = """\
-A checkpoint is data: nothing it names is imported or run. The module is built from the -c config (or
-the --module class with the checkpoint's saved hyperparameters) and loads the checkpoint's weights;
-differences from the config recorded in the checkpoint are reported. The example input is the module's
-example_input_array, else the first rows of a batch of the data. The artifact is checked against the
-PyTorch module before it is moved into place; a mismatch is an error (exit 1) and leaves no file.
-Exit code 2: a config, checkpoint or command-line mistake. See docs/export.md.
-"""
-
-
-def add_export_parser(commands: Any) -> None:
-    """``ember export``: its own options (no trainer run), overrides as for the other subcommands."""
-    from ember.export import FORMATS
-
-    text = "export a checkpoint's module to ONNX, TorchScript, torch.export, safetensors, TorchServe or hf"
-    description = "ember export: write a checkpoint's module as an inference artifact and check it."
-    sub = add_command(commands, "export", text, description, EXPORT_EPILOG, "the run's YAML config (builds the module)")
-    sub.add_argument("--ckpt", required=True, metavar="last|PATH", help="a checkpoint; 'last': the run's newest")
-    sub.add_argument(
-        "--module",
-        metavar="CLASS",
-        help="without -c: the TrainingModule class to load the checkpoint into (e.g. my_project.models.Net), "
-        "built with the checkpoint's saved hyperparameters",
-    )
-    sub.add_argument(
-        "--trust-checkpoint",
-        action="store_true",
-        help="without -c: rebuild the module (and data) from the config recorded in the checkpoint. This imports "
-        "and runs the classes the file names: use it only for checkpoints you trust. Only TrainingModule and "
-        "DataModule subclasses with plain-data arguments are built",
-    )
-    sub.add_argument("--format", required=True, choices=list(FORMATS), help="what to write")
-    sub.add_argument("--out", required=True, metavar="DIR", help="folder for the artifact")
-    sub.add_argument("--name", metavar="NAME", help="file name without suffix (default: the run name)")
-    sub.add_argument("--method", choices=["script", "trace"], default="script", help="torchscript: how")
-    sub.add_argument("--static-batch", action="store_true", help="onnx, torch-export: fix the batch size")
-    sub.add_argument("--atol", type=float, metavar="X", help="check tolerance, absolute (default 1e-4)")
-    sub.add_argument("--rtol", type=float, metavar="X", help="check tolerance, relative (default 1e-4)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,20 +13,20 @@ A module may also define any hook of `ember.Callback`, without the
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from typing_extensions import Self
 
+from ember.modules.export_methods import ExportMethod
 from ember.modules.freezing import freeze, unfreeze
 from ember.modules.hparams import AttributeDict, collect_init_args
+from ember.modules.manual import ManualOptimization
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
@@ -35,30 +35,7 @@ if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
 
-class ExportMethod:
-    """A `TrainingModule` method that is ``ember.export.<function>`` with the module as its first argument.
-
-    ``module.to_onnx(path, ...)`` is ``ember.export.export_onnx(module, path, ...)``: the signature and the
-    docstring are the export function's (``help(module.to_onnx)`` shows them), and ``ember.export`` is
-    imported only when an export is called.
-    """
-
-    def __init__(self, function: str) -> None:
-        self.function = function
-        self.__doc__ = f"``ember.export.{function}`` with this module as its first argument."
-
-    def __get__(self, module: Any, owner: type | None = None) -> Any:
-        if module is None:
-            return self
-        import ember.export
-
-        function = getattr(ember.export, self.function)
-        bound = functools.partial(function, module)
-        functools.update_wrapper(bound, function)
-        return bound
-
-
-class TrainingModule(nn.Module):
+class TrainingModule(ManualOptimization):
     """Base class for everything ember trains. See the module docstring for the defaults."""
 
     #: Set to False to drive optimizers yourself in `training_step` (GANs and friends).
@@ -363,78 +340,6 @@ class TrainingModule(nn.Module):
         preds = self(inputs)
         loss: Tensor = self.loss_fn(preds, target)  # type: ignore[operator]
         return loss, preds, target
-
-    # --- manual optimization ----------------------------------------------------------
-    def optimizers(self) -> ManualOptimizer | list[ManualOptimizer]:
-        """The optimizers from `configure_optimizers` (one, or a list), for manual optimization."""
-        opts = self._manual_optimizers
-        if not opts:
-            raise RuntimeError("optimizers() is available inside fit, after configure_optimizers ran")
-        return opts[0] if len(opts) == 1 else list(opts)
-
-    def lr_schedulers(self) -> LRScheduler | ReduceLROnPlateau | list[LRScheduler | ReduceLROnPlateau] | None:
-        """The schedulers from `configure_optimizers` (None, one or a list); step them yourself."""
-        scheds = self._manual_schedulers
-        if not scheds:
-            return None
-        return scheds[0] if len(scheds) == 1 else list(scheds)
-
-    def manual_backward(self, loss: Tensor) -> None:
-        """Backward through the trainer (hooks, precision scaling); use instead of ``loss.backward()``."""
-        if self._manual_backward_fn is None:
-            raise RuntimeError("manual_backward() is available inside fit only")
-        self._manual_backward_fn(loss)
-
-    def toggle_optimizer(self, optimizer: Any) -> None:
-        """Train only `optimizer`'s parameters until `untoggle_optimizer` (Lightning's call, for GANs).
-
-        Every other parameter of the module gets ``requires_grad=False``, so a backward through, e.g., the
-        discriminator while training the generator leaves the discriminator's gradients alone.
-        """
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # a ManualOptimizer wraps the torch one
-        own = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        toggled: dict[nn.Parameter, bool] = self.__dict__.setdefault("_toggled", {})
-        for param in self.parameters():
-            toggled.setdefault(param, param.requires_grad)
-            if id(param) not in own:
-                param.requires_grad = False
-
-    def untoggle_optimizer(self, optimizer: Any) -> None:
-        """Undo `toggle_optimizer`: every parameter's ``requires_grad`` is what it was before."""
-        toggled: dict[nn.Parameter, bool] = self.__dict__.get("_toggled", {})
-        for param, requires_grad in toggled.items():
-            param.requires_grad = requires_grad
-        toggled.clear()
-
-    @contextlib.contextmanager
-    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
-        """`toggle_optimizer` for the block, `untoggle_optimizer` after it."""
-        self.toggle_optimizer(optimizer)
-        try:
-            yield
-        finally:
-            self.untoggle_optimizer(optimizer)
-
-    def clip_gradients(
-        self,
-        optimizer: Any,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:
-        """Clip the gradients of `optimizer`'s parameters, for manual optimization (Lightning's call).
-
-        Call it between ``manual_backward`` and ``opt.step()``. Gradients are unscaled first under
-        "16-mixed". ``gradient_clip_algorithm`` is "norm" (default) or "value"; None or 0 clips nothing.
-        """
-        trainer = self.trainer
-        if not gradient_clip_val:
-            return
-        algorithm = gradient_clip_algorithm or "norm"
-        if algorithm not in ("norm", "value"):
-            raise ValueError(f"gradient_clip_algorithm={algorithm!r}; choose 'norm' or 'value'")
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # a ManualOptimizer wraps the torch one
-        trainer.strategy.precision.unscale_gradients(optimizer)
-        trainer.strategy.clip_gradients(trainer.model, optimizer, gradient_clip_val, algorithm)
 
     # --- data hooks (Lightning's names; a DataModule may define the same ones, and its own win) -------------
     def prepare_data(self) -> None:

@@ -7,6 +7,7 @@ so a run that validates trains exactly like one that does not.
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from typing import TYPE_CHECKING, Any
@@ -14,9 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember import stages
-from ember.trainer.data import batch_transfer, limited
+from ember.trainer import checkpointing
+from ember.trainer.arguments import check_ckpt_path, split_datamodule
+from ember.trainer.data import as_list, batch_transfer, check_not_empty, limited, num_batches, resolve_loaders
+from ember.trainer.run import record_evaluation, running
 
 if TYPE_CHECKING:
+    from ember.modules.datamodule import DataModule
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
 
@@ -104,3 +109,32 @@ def run_evaluation(
             for submodule, training in modes:
                 submodule.training = training
     return predictions if stage == "predict" else results
+
+
+def evaluate(
+    trainer: Trainer,
+    stage: stages.Stage,
+    module: TrainingModule,
+    loaders: Any,
+    datamodule: DataModule | None,
+    ckpt_path: str | os.PathLike[str] | None,
+) -> list[Any]:
+    """`Trainer.validate` / `test` / `predict`: the arguments checked, the weights loaded, one pass over the data."""
+    loaders, datamodule = split_datamodule(stage.name, loaders, datamodule)
+    check_ckpt_path(stage.name, ckpt_path)
+    as_list(loaders)  # a wrong kind of data fails here, before any hook
+    with running(trainer, stage, module, datamodule, ckpt_path):
+        if trainer.ckpt_path is not None:
+            checkpointing.load_weights(trainer, module, trainer.ckpt_path)
+        given = resolve_loaders(stage.loop, loaders, datamodule, module)
+        resolved = [trainer.strategy.distribute_loader(d, False) for d in given]
+        if not resolved:
+            raise ValueError(f"{stage.loop} needs data: pass dataloaders, a datamodule with a {stage.loop} "
+                             f"dataloader, or define {stage.loader}_dataloader() on the module")  # fmt: skip
+        check_not_empty(stage.loop, resolved)
+        limit = getattr(trainer.options, stage.limit_option)
+        limits = [num_batches(d, limit, stage.limit_option) for d in resolved]
+        results = run_evaluation(trainer, module, stage.loop, resolved, limits)
+        record_evaluation(trainer, stage, results)
+        return results
+    raise AssertionError("unreachable")  # pragma: no cover  (mypy: running re-raises)

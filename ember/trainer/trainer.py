@@ -28,14 +28,15 @@ from ember.modules.module import TrainingModule
 from ember.modules.optimizers import SchedulerConfig
 from ember.strategies.strategy import Strategy
 from ember.trainer import checkpointing, options, signals
-from ember.trainer.data import EpochPlan, as_list, check_not_empty, num_batches, resolve_loaders
-from ember.trainer.evaluation import run_evaluation
+from ember.trainer.arguments import check_ckpt_path, check_fit, check_not_datamodule, split_datamodule, stop_point
+from ember.trainer.data import EpochPlan, as_list
+from ember.trainer.evaluation import evaluate
 from ember.trainer.loop import FitLoop
 from ember.trainer.numerics import FiniteGuard
 from ember.trainer.optimization import setup_optimizers
 from ember.trainer.progress import Progress
 from ember.trainer.reporting import Reporter
-from ember.trainer.run import RunState, record_evaluation, running
+from ember.trainer.run import RunState, running
 from ember.trainer.setup import record_hyperparameters
 
 if TYPE_CHECKING:
@@ -301,12 +302,12 @@ class Trainer:
         training starts fresh, with an info line, when there is none) or from
         ``"best"`` (the best checkpoint of `ModelCheckpoint`).
         """
-        train_dataloaders, datamodule = _split_datamodule("fit", train_dataloaders, datamodule)
-        _check_not_datamodule("fit", "val_dataloaders", val_dataloaders)
+        train_dataloaders, datamodule = split_datamodule("fit", train_dataloaders, datamodule)
+        check_not_datamodule("fit", "val_dataloaders", val_dataloaders)
         if val_dataloaders is not None and datamodule is not None:
             raise ValueError("fit: pass val_dataloaders or a datamodule, not both (the datamodule brings its own)")
         as_list(train_dataloaders), as_list(val_dataloaders)  # a wrong kind of data fails here, before any hook
-        _check_ckpt_path("fit", ckpt_path)
+        check_ckpt_path("fit", ckpt_path)
         check_fit(self, module)
         with running(self, stages.FIT, module, datamodule, ckpt_path):
             loop = self._fit_loop = FitLoop.build(self, module, train_dataloaders, val_dataloaders, datamodule)
@@ -314,7 +315,7 @@ class Trainer:
             if self.ckpt_path is not None:
                 checkpointing.resume(loop, self.ckpt_path)
                 if loop.is_done():
-                    checkpointing.info(self, f"this run already finished ({self._stop_point()}); nothing to do")
+                    checkpointing.info(self, f"this run already finished ({stop_point(self)}); nothing to do")
             record_hyperparameters(self, module, resumed=self.ckpt_path is not None)
             if loop.plan.num_batches == 0:
                 return  # limit_train_batches=0 disables training
@@ -334,7 +335,7 @@ class Trainer:
         Lightning's order (``trainer.validate(module, loader, "best")``); a DataModule may be passed in place of
         the dataloaders.
         """
-        return self._evaluate(stages.VALIDATE, module, dataloaders, datamodule, ckpt_path)
+        return evaluate(self, stages.VALIDATE, module, dataloaders, datamodule, ckpt_path)
 
     def test(
         self,
@@ -345,7 +346,7 @@ class Trainer:
         datamodule: DataModule | None = None,
     ) -> list[dict[str, float]]:
         """Run one test epoch; returns one dict of epoch metrics per dataloader (arguments as in `validate`)."""
-        return self._evaluate(stages.TEST, module, dataloaders, datamodule, ckpt_path)
+        return evaluate(self, stages.TEST, module, dataloaders, datamodule, ckpt_path)
 
     def predict(
         self,
@@ -356,35 +357,8 @@ class Trainer:
         datamodule: DataModule | None = None,
     ) -> list[Any]:
         """Run `predict_step` on every batch; returns the outputs (a list per dataloader if several)."""
-        outputs = self._evaluate(stages.PREDICT, module, dataloaders, datamodule, ckpt_path)
+        outputs = evaluate(self, stages.PREDICT, module, dataloaders, datamodule, ckpt_path)
         return outputs[0] if len(outputs) == 1 else outputs
-
-    def _evaluate(
-        self,
-        stage: stages.Stage,
-        module: TrainingModule,
-        loaders: Any,
-        datamodule: DataModule | None,
-        ckpt_path: str | os.PathLike[str] | None,
-    ) -> list[Any]:
-        loaders, datamodule = _split_datamodule(stage.name, loaders, datamodule)
-        _check_ckpt_path(stage.name, ckpt_path)
-        as_list(loaders)  # a wrong kind of data fails here, before any hook
-        with running(self, stage, module, datamodule, ckpt_path):
-            if self.ckpt_path is not None:
-                checkpointing.load_weights(self, module, self.ckpt_path)
-            given = resolve_loaders(stage.loop, loaders, datamodule, module)
-            resolved = [self.strategy.distribute_loader(d, False) for d in given]
-            if not resolved:
-                raise ValueError(f"{stage.loop} needs data: pass dataloaders, a datamodule with a {stage.loop} "
-                                 f"dataloader, or define {stage.loader}_dataloader() on the module")  # fmt: skip
-            check_not_empty(stage.loop, resolved)
-            limit = getattr(self.options, stage.limit_option)
-            limits = [num_batches(d, limit, stage.limit_option) for d in resolved]
-            results = run_evaluation(self, module, stage.loop, resolved, limits)
-            record_evaluation(self, stage, results)
-            return results
-        raise AssertionError("unreachable")  # pragma: no cover  (mypy: running re-raises)
 
     def save_checkpoint(
         self,
@@ -414,62 +388,10 @@ class Trainer:
             self.checkpoint_writer.flush(self, module)
         return Path(path)
 
-    def _stop_point(self) -> str:
-        """Where the run stands against its stop conditions: ``"epoch 20/20"`` or ``"step 500/500"``."""
-        max_epochs, max_steps = self.max_epochs, self.max_steps
-        if max_epochs is not None and self.current_epoch >= max_epochs:
-            return f"epoch {self.current_epoch}/{max_epochs}"
-        if 0 <= max_steps <= self.global_step:
-            return f"step {self.global_step}/{max_steps}"
-        return f"epoch {self.current_epoch}, step {self.global_step}"
-
     @property
     def training(self) -> bool:
         """Whether training epochs are running (a save asked for now waits for the next step boundary)."""
         return self._fit_loop is not None and self._fit_loop.running
-
-
-def _split_datamodule(call: str, loaders: Any, datamodule: DataModule | None) -> tuple[Any, DataModule | None]:
-    """A DataModule passed where the dataloaders go (``trainer.fit(module, dm)``, as Lightning allows) is the
-    datamodule."""
-    if isinstance(loaders, DataModule):
-        if datamodule is not None:
-            raise ValueError(f"{call}: a DataModule was passed both as the dataloaders and as datamodule=; pass one")
-        return None, loaders
-    if loaders is not None and datamodule is not None:
-        raise ValueError(f"{call}: pass dataloaders or a datamodule, not both")
-    return loaders, datamodule
-
-
-def _check_not_datamodule(call: str, name: str, value: Any) -> None:
-    if isinstance(value, DataModule):
-        raise TypeError(f"{call}: {name} got a DataModule; pass it as datamodule=... (or second, in its place)")
-
-
-def _check_ckpt_path(call: str, ckpt_path: Any) -> None:
-    if ckpt_path is not None and not isinstance(ckpt_path, (str, os.PathLike)):
-        raise TypeError(
-            f"{call}: ckpt_path must be a path, 'last' or 'best'; got a {type(ckpt_path).__qualname__}. "
-            "The parameters follow Lightning's order: (module, dataloaders, ckpt_path, *, datamodule)"
-        )
-
-
-def check_fit(trainer: Trainer, module: TrainingModule) -> None:
-    """What `fit` refuses before anything runs: options that do not apply to this module."""
-    if not isinstance(module, TrainingModule):
-        raise TypeError(f"expected an ember.TrainingModule, got {type(module).__qualname__}")
-    if not module.automatic_optimization:
-        if trainer.gradient_clip_val is not None:
-            raise ValueError(
-                f"gradient_clip_val={trainer.gradient_clip_val} does nothing under manual optimization "
-                "(automatic_optimization = False); drop it and clip in training_step, e.g. "
-                "self.clip_gradients(opt, gradient_clip_val=0.5) before opt.step()"
-            )
-        if trainer.accumulate_grad_batches > 1:
-            raise ValueError(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches} does nothing under manual optimization "
-                "(automatic_optimization = False); drop it and step the optimizer every N batches in training_step"
-            )
 
 
 def _resolve_profiler(value: Any) -> Profiler | None:

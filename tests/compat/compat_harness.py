@@ -83,8 +83,9 @@ def fit_ember(module: Any, *data: Any, datamodule: Any = None, **options: Any) -
 
 
 def assert_same_run(ember_run: Run, lightning_run: Run, metrics_tol: float = 1e-6) -> None:
-    """Per-step losses and final parameters bitwise equal; epoch metrics equal (within `metrics_tol`: the two
-    frameworks add up a batch-weighted mean in a different order); same step count and learning rates."""
+    """Per-step losses and final parameters bitwise equal; epoch metrics equal within `metrics_tol`, relative or
+    absolute (ember sums a batch-weighted mean in float64, Lightning in float32: they agree to float32 rounding);
+    same step count and learning rates."""
     assert len(ember_run.losses) == len(lightning_run.losses) > 0
     for i, (a, b) in enumerate(zip(ember_run.losses, lightning_run.losses, strict=True)):
         assert torch.equal(a, b), f"step {i}: ember {a.item()!r} != Lightning {b.item()!r}"
@@ -98,6 +99,6 @@ def assert_same_run(ember_run: Run, lightning_run: Run, metrics_tol: float = 1e-
     for epoch, (mine, theirs) in enumerate(zip(ember_run.epochs, lightning_run.epochs, strict=True)):
         assert mine.keys() == theirs.keys() and mine, f"epoch {epoch}: ember {sorted(mine)}, Lightning {sorted(theirs)}"
         for name, value in theirs.items():
-            assert math.isclose(mine[name], value, rel_tol=0, abs_tol=metrics_tol), (
+            assert math.isclose(mine[name], value, rel_tol=metrics_tol, abs_tol=metrics_tol), (
                 f"epoch {epoch} {name}: ember {mine[name]!r} != Lightning {value!r}"
             )

@@ -1,0 +1,67 @@
+"""What the Trainer's entry points accept, checked before anything runs: Lightning's argument order (a
+DataModule where the dataloaders go, ``ckpt_path`` third), options that do not apply to the module; and how
+a run stands against its stop conditions, for messages."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from ember.modules.datamodule import DataModule
+from ember.modules.module import TrainingModule
+
+if TYPE_CHECKING:
+    from ember.trainer.trainer import Trainer
+
+
+def split_datamodule(call: str, loaders: Any, datamodule: DataModule | None) -> tuple[Any, DataModule | None]:
+    """A DataModule passed where the dataloaders go (``trainer.fit(module, dm)``, as Lightning allows) is the
+    datamodule."""
+    if isinstance(loaders, DataModule):
+        if datamodule is not None:
+            raise ValueError(f"{call}: a DataModule was passed both as the dataloaders and as datamodule=; pass one")
+        return None, loaders
+    if loaders is not None and datamodule is not None:
+        raise ValueError(f"{call}: pass dataloaders or a datamodule, not both")
+    return loaders, datamodule
+
+
+def check_not_datamodule(call: str, name: str, value: Any) -> None:
+    if isinstance(value, DataModule):
+        raise TypeError(f"{call}: {name} got a DataModule; pass it as datamodule=... (or second, in its place)")
+
+
+def check_ckpt_path(call: str, ckpt_path: Any) -> None:
+    if ckpt_path is not None and not isinstance(ckpt_path, (str, os.PathLike)):
+        raise TypeError(
+            f"{call}: ckpt_path must be a path, 'last' or 'best'; got a {type(ckpt_path).__qualname__}. "
+            "The parameters follow Lightning's order: (module, dataloaders, ckpt_path, *, datamodule)"
+        )
+
+
+def check_fit(trainer: Trainer, module: TrainingModule) -> None:
+    """What `fit` refuses before anything runs: options that do not apply to this module."""
+    if not isinstance(module, TrainingModule):
+        raise TypeError(f"expected an ember.TrainingModule, got {type(module).__qualname__}")
+    if not module.automatic_optimization:
+        if trainer.gradient_clip_val is not None:
+            raise ValueError(
+                f"gradient_clip_val={trainer.gradient_clip_val} does nothing under manual optimization "
+                "(automatic_optimization = False); drop it and clip in training_step, e.g. "
+                "self.clip_gradients(opt, gradient_clip_val=0.5) before opt.step()"
+            )
+        if trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} does nothing under manual optimization "
+                "(automatic_optimization = False); drop it and step the optimizer every N batches in training_step"
+            )
+
+
+def stop_point(trainer: Trainer) -> str:
+    """Where the run stands against its stop conditions: ``"epoch 20/20"`` or ``"step 500/500"``."""
+    max_epochs, max_steps = trainer.max_epochs, trainer.max_steps
+    if max_epochs is not None and trainer.current_epoch >= max_epochs:
+        return f"epoch {trainer.current_epoch}/{max_epochs}"
+    if 0 <= max_steps <= trainer.global_step:
+        return f"step {trainer.global_step}/{max_steps}"
+    return f"epoch {trainer.current_epoch}, step {trainer.global_step}"
