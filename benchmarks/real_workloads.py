@@ -152,8 +152,8 @@ class WordLM(Workload):
         opt = torch.optim.SGD(lm.parameters(), lr=module.hparams.lr)
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="min", factor=0.25, patience=0, threshold=0)
         times: dict[str, float] = {}
+        train_loader, val_loader = self.loaders()  # once: each epoch continues the loader's generator, as in ember
         for _ in range(s.epochs):
-            train_loader, val_loader = self.loaders()
             start = clock()
             lm.train()
             hidden = None
@@ -218,8 +218,8 @@ class CharTransformerWorkload(Workload):
         opt, sched = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
         ppl = module.val_ppl
         times: dict[str, float] = {}
+        train_loader, val_loader = self.loaders()  # once: each epoch continues the loader's generator, as in ember
         for _ in range(s.epochs):
-            train_loader, val_loader = self.loaders()
             start = clock()
             module.train()
             total = torch.zeros((), device=self.device)
@@ -276,8 +276,8 @@ class CNNWorkload(Workload):
         opt, sched = configured["optimizer"], configured["lr_scheduler"]
         model, loss_fn, accuracy = module.model, module.loss_fn, module.metrics["acc"]
         times: dict[str, float] = {}
+        train_loader, val_loader = self.loaders()  # once: each epoch continues the loader's generator, as in ember
         for _ in range(s.epochs):
-            train_loader, val_loader = self.loaders()
             start = clock()
             model.train()
             total = torch.zeros((), device=self.device)
@@ -337,8 +337,8 @@ class GANWorkload(Workload):
         opt_g, opt_d = module.configure_optimizers()
         gen, disc, latent = module.generator, module.discriminator, module.hparams.latent_dim
         times: dict[str, float] = {}
+        train_loader, val_loader = self.loaders()  # once: each epoch continues the loader's generator, as in ember
         for _ in range(s.epochs):
-            train_loader, val_loader = self.loaders()
             start = clock()
             module.train()
             d_total, g_total = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
