@@ -481,16 +481,16 @@ def raw_run(cfg: Config) -> Result:
 
 
 class WeightedMean:
-    """An epoch value of ``self.log``: the batch-size weighted mean, kept in the logged value's dtype."""
+    """An epoch value of ``self.log``: the batch-size weighted mean, summed in float64 (docs/trainer.md)."""
 
     def __init__(self) -> None:
         self.total: Tensor | None = None
         self.weight = 0
 
     def add(self, value: Tensor, batch_size: int) -> None:
-        value = value.detach()
+        value = value.detach().to(torch.float64)
         if self.total is None:
-            self.total = torch.zeros((), dtype=value.dtype)
+            self.total = torch.zeros((), dtype=torch.float64)
         self.total.add_(value, alpha=batch_size)
         self.weight += batch_size
 
