@@ -236,7 +236,8 @@ class EventFile:
 
         self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
         log_dir.mkdir(parents=True, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+        stamp = max(int(time.time()), _newest_stamp(log_dir) + 1)  # TensorBoard reads files in name order
+        name = f"events.out.tfevents.{stamp:010d}.{socket.gethostname()}.{os.getpid()}"
         self.path = log_dir / f"{name}.-{next(_file_numbers):04d}"
         self._file: BinaryIO = open(self.path, "wb")  # noqa: SIM115  (closed by close())
         self._write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
@@ -266,6 +267,17 @@ class EventFile:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _newest_stamp(log_dir: Path) -> int:
+    """The largest seconds field among the event files in `log_dir` (-1 if none): a new file's name must sort
+    after them even when the clock stepped back or the host name changed since they were written."""
+    stamps = [-1]
+    for path in log_dir.glob("events.out.tfevents.*"):
+        field = path.name.split(".")[3]
+        if field.isdigit():
+            stamps.append(int(field))
+    return max(stamps)
 
 
 @functools.cache

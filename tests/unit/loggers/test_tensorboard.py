@@ -241,6 +241,29 @@ def test_histograms_and_scalars_share_one_file_and_a_resume_purges_both(tmp_path
     assert [(e.step, e.histogram_value.sum) for e in acc.Histograms("w")] == [(1, 3.0), (2, 6.0), (3, 9.0), (4, 120.0)]
 
 
+@pytest.mark.parametrize("change", ["clock stepped back", "host renamed"])
+def test_a_resumed_file_is_read_after_the_earlier_one_whatever_the_clock_or_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """TensorBoard reads a directory's files in name order; the purge only works if the resumed run's file
+    comes after the one it purges, also when the clock went back or the host name sorts lower."""
+    first = TensorBoardLogger(tmp_path)
+    for step in range(1, 6):
+        first.log_metrics({"a": float(step)}, step=step)
+    first.finalize("failed")
+    if change == "clock stepped back":
+        earlier = time.time() - 3600.0
+        monkeypatch.setattr("ember.loggers.tensorboard.time.time", lambda: earlier)
+    else:
+        monkeypatch.setattr("ember.loggers.tensorboard.socket.gethostname", lambda: "0")
+    resumed = TensorBoardLogger(tmp_path)
+    resumed.load_state_dict({"step": 2})
+    resumed.log_metrics({"a": 30.0}, step=3)
+    resumed.finalize("success")
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
+    assert scalars(read(tmp_path), "a") == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
 def test_experiment_taken_mid_run_continues_in_its_own_file_after_the_loggers(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path)
     logger.log_metrics({"a": 1.0}, step=1)

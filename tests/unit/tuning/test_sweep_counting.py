@@ -67,3 +67,12 @@ def test_a_dead_worker_fails_only_its_own_running_trial(study: optuna.Study, tmp
     states = [(t.number, t.state, t.user_attrs.get("retry_of")) for t in study.trials]
     assert states == [(0, TrialState.RUNNING, None), (1, TrialState.FAIL, None), (2, TrialState.WAITING, 1)]
     assert study.trials[1].user_attrs["stopped"] == "its worker exited with status -9"
+
+
+def test_a_trial_cut_off_before_drawing_values_is_failed_and_not_queued(study: optuna.Study) -> None:
+    spec = {"trials": 2, "max_failures": 3}
+    asked = _next_trial(study, spec)  # its worker was killed before the space drew the trial's values
+    assert asked is not None
+    fail_and_retry(study._storage, study, study.trials[asked.number], "the sweep was stopped while it ran")
+    assert [(t.state, t.params) for t in study.trials] == [(TrialState.FAIL, {})]  # nothing to repeat
+    assert _next_trial(study, spec) is not None and _next_trial(study, spec) is not None  # both places free
