@@ -62,6 +62,20 @@ def object_path(package: str, name: str) -> str:
     return f"{package}.{name}"
 
 
+def undocumented_inherited(cls: type, packages: list[str]) -> list[str]:
+    """Public methods and properties `cls` inherits from ember classes that have no page of their own (mixins such
+    as ``DataHooks`` and ``ManualOptimization``): shown on `cls`'s entry, since they are part of its API."""
+    documented = {
+        id(getattr(importlib.import_module(p), n)) for p in packages for n in public_names(p) if n != "__version__"
+    }
+    names: list[str] = []
+    for base in cls.__mro__[1:]:
+        if not base.__module__.startswith("ember.") or id(base) in documented:
+            continue
+        names += [n for n in vars(base) if not n.startswith("_") and n not in vars(cls) and n not in names]
+    return names
+
+
 def home_package(path: str, packages: list[str]) -> str:
     """The package whose page documents the object at `path`: the longest package prefix of its module."""
     owners = [p for p in packages if path == p or path.startswith(f"{p}.")]
@@ -85,13 +99,12 @@ def api_page(package: str, packages: list[str]) -> str:
             link = f"{posixpath.relpath(page_name(home), 'api')}#{path}"
             lines += [f"## `{package}.{name}`", "", f"The same object as [`{home}.{name}`]({link}).", ""]
             continue
-        lines += [
-            f"::: {path}",
-            "    options:",
-            f'      heading: "{package}.{name}"',
-            f'      toc_label: "{name}"',
-            "",
-        ]
+        lines += [f"::: {path}", "    options:", f'      heading: "{package}.{name}"', f'      toc_label: "{name}"']
+        value = getattr(module, name)
+        inherited = undocumented_inherited(value, packages) if inspect.isclass(value) else []
+        if inherited:
+            lines.append(f"      inherited_members: [{', '.join(inherited)}]")
+        lines.append("")
     return "\n".join(lines)
 
 

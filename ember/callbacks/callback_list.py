@@ -29,11 +29,11 @@ def check_hook_names(obj: object, base: type) -> None:
     """Raise if `obj`'s class defines an ``on_*`` method that is not a hook.
 
     Only methods defined below `base` in the MRO are checked, so the framework's
-    own classes never trip it. The hooks are `HOOK_NAMES` plus the ``on_*`` methods `base` itself
-    defines (the module's batch-transfer and evaluation-mode hooks). A Lightning hook that ember does not
+    own classes never trip it. The hooks are `HOOK_NAMES` plus the ``on_*`` methods `base` has,
+    its own or inherited (the module's batch-transfer and evaluation-mode hooks). A Lightning hook that ember does not
     call gets an error naming what it meant in Lightning and the ember way.
     """
-    valid = {*HOOK_NAMES, *(name for name in vars(base) if name.startswith("on_"))}
+    valid = {*HOOK_NAMES, *(name for name in dir(base) if name.startswith("on_"))}
     for klass in type(obj).__mro__:
         if klass is base or not issubclass(klass, base):
             continue

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+from ember.modules.data_hooks import DataHooks
 
 
-class DataModule:
+class DataModule(DataHooks):
     """Bundles dataset preparation and the dataloaders of every stage.
 
     Override `prepare_data` to download or write files (once per node, before `setup`), `setup` to build
@@ -22,10 +21,6 @@ class DataModule:
 
     #: Run `prepare_data` on local rank 0 of every node (True) or on global rank 0 only (False).
     prepare_data_per_node: bool = True
-
-    def prepare_data(self) -> None:
-        """Download or write data. Runs in one process per node (see `prepare_data_per_node`) before `setup`,
-        while the other processes wait; do not set state here (other processes would not see it)."""
 
     def setup(self, stage: str) -> None:
         """Build datasets for `stage` ("fit", "validate", "test" or "predict")."""
@@ -48,20 +43,6 @@ class DataModule:
     def predict_dataloader(self) -> Any:
         """The predict DataLoader, or a list of them."""
         raise NotImplementedError(f"{type(self).__qualname__} does not define predict_dataloader()")
-
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Change a batch before it is moved to the device; return the batch."""
-        return batch
-
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """Move a batch to `device`; the default moves every tensor in nested lists, tuples and dicts."""
-        from ember.strategies.strategy import move_to_device
-
-        return move_to_device(batch, device)
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Change a batch after it reached the device; return the batch."""
-        return batch
 
     def state_dict(self) -> dict[str, Any]:
         """State to save in checkpoints (empty by default)."""

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import Self
 
+from ember.modules.data_hooks import DataHooks
 from ember.modules.export_methods import ExportMethod
 from ember.modules.freezing import freeze, unfreeze
 from ember.modules.hparams import AttributeDict, collect_init_args
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
 
-class TrainingModule(ManualOptimization):
+class TrainingModule(DataHooks, ManualOptimization):
     """Base class for everything ember trains. See the module docstring for the defaults."""
 
     #: Set to False to drive optimizers yourself in `training_step` (GANs and friends).
@@ -340,24 +341,6 @@ class TrainingModule(ManualOptimization):
         preds = self(inputs)
         loss: Tensor = self.loss_fn(preds, target)  # type: ignore[operator]
         return loss, preds, target
-
-    # --- data hooks (Lightning's names; a DataModule may define the same ones, and its own win) -------------
-    def prepare_data(self) -> None:
-        """Download or write data once per node (local rank 0), before ``setup``; do not set state here."""
-
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Change a batch before it is moved to the device (runs on the CPU); return the batch."""
-        return batch
-
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """Move a batch to `device`; the default moves every tensor in nested lists, tuples and dicts."""
-        from ember.strategies.strategy import move_to_device
-
-        return move_to_device(batch, device)
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Change a batch after it reached the device (e.g. GPU augmentation); return the batch."""
-        return batch
 
     # --- evaluation mode (Lightning's hooks) ------------------------------------------------------
     def on_validation_model_eval(self) -> None:
