@@ -29,20 +29,18 @@ LIGHTNING_ONLY: dict[str, tuple[str, str]] = {
         "Lightning 1.x called it after every training batch (removed in 2.0)",
         "use on_train_batch_end(outputs, batch, batch_idx)",
     ),
-    "on_pretrain_routine_start": (
-        "Lightning 1.x called it before the sanity check (removed in 2.0)",
-        "use on_fit_start",
-    ),
-    "on_pretrain_routine_end": (
-        "Lightning 1.x called it before the sanity check (removed in 2.0)",
-        "use on_fit_start",
+    **dict.fromkeys(
+        ("on_pretrain_routine_start", "on_pretrain_routine_end"),
+        ("Lightning 1.x called it before the sanity check (removed in 2.0)", "use on_fit_start"),
     ),
     "on_keyboard_interrupt": (
         "Lightning 1.x called it on Ctrl-C (removed in 2.0)",
         "use on_exception and check isinstance(exception, KeyboardInterrupt)",
     ),
-    "on_init_start": ("Lightning 1.x called it while the Trainer was built (removed in 2.0)", "use __init__"),
-    "on_init_end": ("Lightning 1.x called it while the Trainer was built (removed in 2.0)", "use __init__"),
+    **dict.fromkeys(
+        ("on_init_start", "on_init_end"),
+        ("Lightning 1.x called it while the Trainer was built (removed in 2.0)", "use __init__"),
+    ),
     "on_configure_sharded_model": (
         "Lightning 1.x called it to build layers lazily for sharded training",
         "build the layers in __init__; FSDP2 shards them (docs/scaling.md)",
@@ -53,10 +51,10 @@ LIGHTNING_ONLY: dict[str, tuple[str, str]] = {
     ),
     "on_hpc_save": ("Lightning 1.x called it when saving a SLURM requeue checkpoint", "use on_save_checkpoint"),
     "on_hpc_load": ("Lightning 1.x called it when loading a SLURM requeue checkpoint", "use on_load_checkpoint"),
-    "on_train_dataloader": ("Lightning 1.x called it before train_dataloader()", "use train_dataloader()"),
-    "on_val_dataloader": ("Lightning 1.x called it before val_dataloader()", "use val_dataloader()"),
-    "on_test_dataloader": ("Lightning 1.x called it before test_dataloader()", "use test_dataloader()"),
-    "on_predict_dataloader": ("Lightning 1.x called it before predict_dataloader()", "use predict_dataloader()"),
+    **{
+        f"on_{stage}_dataloader": (f"Lightning 1.x called it before {stage}_dataloader()", f"use {stage}_dataloader()")
+        for stage in ("train", "val", "test", "predict")
+    },
 }
 
 #: LightningModule methods (not ``on_*``) that Lightning calls and ember does not: a module defining one is refused.
