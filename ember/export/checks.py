@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,23 @@ EXPORT_PACKAGES = "onnx onnxscript onnxruntime safetensors torch-model-archiver"
 
 class ExportError(RuntimeError):
     """An export that cannot be made or that failed its check; ``str()`` is one line saying what to do."""
+
+
+def tolerances(atol: float | None, rtol: float | None) -> tuple[float, float]:
+    """(atol, rtol) of a check: the given ones, else `DEFAULT_ATOL` / `DEFAULT_RTOL`."""
+    return DEFAULT_ATOL if atol is None else atol, DEFAULT_RTOL if rtol is None else rtol
+
+
+def trace_failure(what: str, module: torch.nn.Module, exc: BaseException, dynamic: bool) -> ExportError:
+    """The one-line error of a tracing exporter (`what`: "torch.export", "onnx export") that raised `exc`: the
+    innermost error it wraps (the ONNX exporter wraps torch.export's), the first line of its message that
+    names an exception (``...Error: ...``) or else its first line, and the way out of a dynamic batch."""
+    while exc.__cause__ is not None and str(exc.__cause__).strip():
+        exc = exc.__cause__
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines() if line.strip()]
+    summary = next((line for line in lines if "Error:" in line), lines[0] if lines else "")
+    hint = " (dynamic_batch=False, or --static-batch, exports a fixed batch size)" if dynamic else ""
+    return ExportError(f"{what} of {type(module).__qualname__} failed{hint}: {type(exc).__name__}: {summary}"[:700])
 
 
 @dataclass(frozen=True)

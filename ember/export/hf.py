@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ember.export.checks import DEFAULT_ATOL, DEFAULT_RTOL, ExportError, ExportResult, compare_outputs
+from ember.export.checks import ExportError, ExportResult, compare_outputs, tolerances
 from ember.export.files import staged_dir
 from ember.export.inputs import evaluating
 
@@ -115,7 +115,7 @@ def export_hf(
     if target.exists() and not (target.is_dir() and (target / "config.json").is_file()):
         raise ExportError(f"{target} exists and is not a Hugging Face export directory; choose another path")
     inputs = _probe_input(module, model, example_input)
-    atol, rtol = DEFAULT_ATOL if atol is None else atol, DEFAULT_RTOL if rtol is None else rtol
+    atol, rtol = tolerances(atol, rtol)
     with evaluating(module), _quiet_progress(transformers), staged_dir(target) as tmp:
         model.save_pretrained(tmp)
         if tok is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -115,3 +116,23 @@ def reference_outputs(module: torch.nn.Module, inputs: Inputs) -> list[Tensor]:
             "fix the example input (example_input= or example_input_array) or forward"
         ) from exc
     return flatten_outputs(outputs, f"{name}.forward")
+
+
+@dataclass(frozen=True)
+class TracePlan:
+    """What the tracing exports (torch.export, ONNX) share: the inputs to trace on, the dynamic shapes, and
+    each check to run on the artifact: (what, inputs, the module's outputs on them)."""
+
+    traced: Inputs
+    dynamic_shapes: Any
+    checks: list[tuple[str, Inputs, list[Tensor]]]
+
+
+def trace_plan(module: torch.nn.Module, inputs: Inputs, dynamic_batch: bool, dynamic_shapes: Any) -> TracePlan:
+    """The `TracePlan` of `inputs` (call it under `evaluating`). `dynamic_shapes` given wins over the dynamic
+    batch; a dynamic batch is traced on at least 2 rows (torch.export specialises a dimension of size 1)."""
+    checked = inputs_to_check(inputs, dynamic_batch)
+    traced = checked[-1][1] if dynamic_batch and batch_size(inputs) == 1 else inputs
+    if dynamic_shapes is None and dynamic_batch:
+        dynamic_shapes = batch_dynamic_shapes(module, traced)
+    return TracePlan(traced, dynamic_shapes, [(on, x, reference_outputs(module, x)) for on, x in checked])

@@ -19,24 +19,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.export.checks import (
-    DEFAULT_ATOL,
-    DEFAULT_RTOL,
     ExportError,
     ExportResult,
     compare_outputs,
     require,
     run_artifact,
+    tolerances,
+    trace_failure,
 )
 from ember.export.files import staged
-from ember.export.inputs import (
-    Inputs,
-    batch_dynamic_shapes,
-    batch_size,
-    evaluating,
-    example_inputs,
-    inputs_to_check,
-    reference_outputs,
-)
+from ember.export.inputs import TracePlan, batch_size, evaluating, example_inputs, trace_plan
 
 if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
@@ -69,22 +61,18 @@ def export_onnx(
     ort = require("onnxruntime", "checking an ONNX export")
     target = Path(path)
     inputs = example_inputs(module, example_input)
-    atol, rtol = DEFAULT_ATOL if atol is None else atol, DEFAULT_RTOL if rtol is None else rtol
+    atol, rtol = tolerances(atol, rtol)
     with evaluating(module):
-        checked = inputs_to_check(inputs, dynamic_batch)
-        expected = [reference_outputs(module, x) for _, x in checked]
+        plan = trace_plan(module, inputs, dynamic_batch, dynamic_shapes)
         input_names = _names("input", len(inputs))
-        output_names = _names("output", len(expected[0]))
-        # torch.export specialises a dimension of size 1: trace a dynamic batch on at least 2 rows.
-        traced = checked[-1][1] if dynamic_batch and batch_size(inputs) == 1 else inputs
+        output_names = _names("output", len(plan.checks[0][2]))
         with staged(target) as tmp:
-            shapes = dynamic_shapes if dynamic_shapes is not None else _batch_shapes(module, traced, dynamic_batch)
-            program = _export(module, traced, shapes, input_names, output_names, opset_version)
+            program = _export(module, plan, input_names, output_names, opset_version)
             large = sum(p.numel() * p.element_size() for p in module.parameters()) > EXTERNAL_DATA_BYTES
             program.save(str(tmp), external_data=large)
             session = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
             checks = []
-            for (on, x), reference in zip(checked, expected, strict=True):
+            for on, x, reference in plan.checks:
                 feed = {name: t.detach().cpu().numpy() for name, t in zip(input_names, x, strict=True)}
                 run = functools.partial(session.run, output_names, feed)
                 got = run_artifact("onnx", target, run, on, batch_size(x))
@@ -97,44 +85,28 @@ def _names(stem: str, count: int) -> list[str]:
     return [stem] if count == 1 else [f"{stem}_{i}" for i in range(count)]
 
 
-def _batch_shapes(module: TrainingModule, inputs: Inputs, dynamic_batch: bool) -> dict[str, Any] | None:
-    return batch_dynamic_shapes(module, inputs) if dynamic_batch else None
-
-
 def _export(
-    module: TrainingModule,
-    inputs: Inputs,
-    dynamic_shapes: Any,
-    input_names: list[str],
-    output_names: list[str],
-    opset_version: int | None,
+    module: TrainingModule, plan: TracePlan, input_names: list[str], output_names: list[str], opset: int | None
 ) -> Any:
     try:
         with _quiet_exporter():
             program = torch.onnx.export(
                 module,
-                inputs,
+                plan.traced,
                 dynamo=True,
-                dynamic_shapes=dynamic_shapes,
+                dynamic_shapes=plan.dynamic_shapes,
                 input_names=input_names,
                 output_names=output_names,
-                opset_version=opset_version,
+                opset_version=opset,
                 verbose=False,
             )
     except ExportError:
         raise
     except Exception as exc:
-        hint = " (dynamic_batch=False, or --static-batch, exports a fixed batch size)" if dynamic_shapes else ""
-        raise ExportError(f"onnx export of {type(module).__qualname__} failed{hint}: {_first_line(exc)}") from exc
+        raise trace_failure("onnx export", module, exc, plan.dynamic_shapes is not None) from exc
     if program is None:  # only when given a file name; kept for the type checker
         raise ExportError("torch.onnx.export returned no program")
     return program
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    summary = next((line for line in lines if "Error:" in line or "error:" in line), lines[0] if lines else "")
-    return f"{type(exc).__name__}: {summary}"[:500]
 
 
 @contextlib.contextmanager

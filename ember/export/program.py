@@ -15,23 +15,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.export.checks import (
-    DEFAULT_ATOL,
-    DEFAULT_RTOL,
-    ExportError,
     ExportResult,
     compare_outputs,
     flatten_outputs,
     run_artifact,
+    tolerances,
+    trace_failure,
 )
 from ember.export.files import staged
-from ember.export.inputs import (
-    batch_dynamic_shapes,
-    batch_size,
-    evaluating,
-    example_inputs,
-    inputs_to_check,
-    reference_outputs,
-)
+from ember.export.inputs import batch_size, evaluating, example_inputs, trace_plan
 
 if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
@@ -55,26 +47,18 @@ def export_program(
     """
     target = Path(path)
     inputs = example_inputs(module, example_input)
-    atol, rtol = DEFAULT_ATOL if atol is None else atol, DEFAULT_RTOL if rtol is None else rtol
+    atol, rtol = tolerances(atol, rtol)
     with evaluating(module):
-        checked = inputs_to_check(inputs, dynamic_batch)
-        expected = [reference_outputs(module, x) for _, x in checked]
-        traced = checked[-1][1] if dynamic_batch and batch_size(inputs) == 1 else inputs
-        if dynamic_shapes is None and dynamic_batch:
-            dynamic_shapes = batch_dynamic_shapes(module, traced)
+        plan = trace_plan(module, inputs, dynamic_batch, dynamic_shapes)
         with staged(target) as tmp:
             try:
-                program = torch.export.export(module, traced, dynamic_shapes=dynamic_shapes)
+                program = torch.export.export(module, plan.traced, dynamic_shapes=plan.dynamic_shapes)
             except Exception as exc:
-                hint = " (dynamic_batch=False, or --static-batch, exports a fixed batch size)" if dynamic_shapes else ""
-                first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-                raise ExportError(
-                    f"torch.export of {type(module).__qualname__} failed{hint}: {type(exc).__name__}: {first}"
-                ) from exc
+                raise trace_failure("torch.export", module, exc, plan.dynamic_shapes is not None) from exc
             torch.export.save(program, str(tmp))
             loaded = torch.export.load(str(tmp)).module()
             checks = []
-            for (on, x), reference in zip(checked, expected, strict=True):
+            for on, x, reference in plan.checks:
                 with torch.no_grad():
                     out = run_artifact("torch-export", target, functools.partial(loaded, *x), on, batch_size(x))
                 got = flatten_outputs(out, "the exported program")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.export.checks import DEFAULT_ATOL, DEFAULT_RTOL, ExportError, ExportResult, compare_outputs, flatten_outputs
+from ember.export.checks import ExportError, ExportResult, compare_outputs, flatten_outputs, tolerances
 from ember.export.files import staged
 from ember.export.inputs import Inputs, batch_size, evaluating, example_inputs, reference_outputs
 
@@ -42,7 +42,7 @@ def export_torchscript(
         raise ExportError(f"torchscript method {method!r}: choose 'script' or 'trace'")
     target = Path(path)
     inputs = example_inputs(module, example_input)
-    atol, rtol = DEFAULT_ATOL if atol is None else atol, DEFAULT_RTOL if rtol is None else rtol
+    atol, rtol = tolerances(atol, rtol)
     with evaluating(module):
         expected = reference_outputs(module, inputs)
         uses_default_forward = type(module).forward is TrainingModule.forward

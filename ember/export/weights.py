@@ -18,14 +18,13 @@ import torch
 from torch import Tensor
 
 from ember.export.checks import (
-    DEFAULT_ATOL,
-    DEFAULT_RTOL,
     Check,
     ExportError,
     ExportResult,
     compare_outputs,
     flatten_outputs,
     require,
+    tolerances,
 )
 from ember.export.files import staged
 from ember.export.inputs import batch_size, evaluating, example_inputs, reference_outputs
@@ -62,7 +61,7 @@ def export_safetensors(
         metadata["ember.hparams"] = json.dumps(dict(module.hparams))
     has_example = example_input is not None or getattr(module, "example_input_array", None) is not None
     inputs = example_inputs(module, example_input) if has_example else None
-    atol, rtol = DEFAULT_ATOL if atol is None else atol, DEFAULT_RTOL if rtol is None else rtol
+    atol, rtol = tolerances(atol, rtol)
     with staged(target) as tmp:
         st.save_file(tensors, str(tmp), metadata=metadata)
         loaded = load_safetensors(tmp)

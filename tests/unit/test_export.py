@@ -421,6 +421,37 @@ def test_an_example_input_the_module_cannot_take_is_one_clear_error(tmp_path: Pa
     assert list(tmp_path.iterdir()) == []
 
 
+class _BranchOnValues(ember.TrainingModule):
+    """A forward whose control flow depends on tensor values: torch.export cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Linear(4, 2)
+        self.example_input_array = torch.ones(3, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.model(x)
+        if y.sum() > 0:
+            return y
+        return -y
+
+
+@pytest.mark.parametrize(("fmt", "what"), [("torch-export", "torch.export"), ("onnx", "onnx export")])
+@pytest.mark.parametrize("dynamic_batch", [True, False])
+def test_a_module_the_exporter_cannot_trace_is_one_line_naming_it_and_leaves_no_file(
+    tmp_path: Path, fmt: str, what: str, dynamic_batch: bool
+) -> None:
+    with pytest.raises(ExportError) as info:
+        export(_BranchOnValues(), fmt, tmp_path / "m.bin", dynamic_batch=dynamic_batch)
+    message = str(info.value)
+    assert message.startswith(f"{what} of _BranchOnValues failed") and "\n" not in message
+    assert ("(dynamic_batch=False, or --static-batch, exports a fixed batch size)" in message) == dynamic_batch
+    # torch.export's own reason, also when the ONNX exporter wraps it, without terminal colour codes
+    assert "GuardOnDataDependentSymNode: Could not guard on data-dependent expression" in message
+    assert "\x1b" not in message
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_unsupported_format_or_method_is_one_clear_error(tmp_path: Path) -> None:
     module = build("mlp")
     with pytest.raises(ExportError) as info:
