@@ -425,6 +425,7 @@ def ember_fit(work: Workload, module: Any, sync: Callable[[], None]) -> dict[str
         enable_checkpointing=False,
         accelerator="cuda" if work.device.type == "cuda" else "cpu",
         callbacks=[phase_clock],
+        inference_mode=os.environ.get("EMBER_BENCH_INFERENCE_MODE") == "1",
         **work.trainer_options,
     )
     train_loader, val_loader = work.loaders()
@@ -502,6 +503,7 @@ def compare(a: Any, b: Any) -> tuple[bool, float]:
 def spawn(names: list[str], tuned: bool, args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env["EMBER_TUNE_CPU_ALLOCATOR"] = "1" if tuned else "0"
+    env["EMBER_BENCH_INFERENCE_MODE"] = "1" if args.inference_mode else "0"
     command = [sys.executable, str(Path(__file__).resolve()), "--child", ",".join(names)]
     command += ["--rounds", str(args.rounds), "--device", args.device, "--threads", str(args.threads)]
     command += ["--short"] if args.short else []
@@ -538,6 +540,11 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in each process")
+    parser.add_argument(
+        "--inference-mode",
+        action="store_true",
+        help="ember evaluates under torch.inference_mode() (Trainer(inference_mode=True)); the hand loop keeps no_grad",
+    )
     parser.add_argument("--json", help="also write the figures to this file (ratios, medians, peak RSS, agreement)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -585,6 +592,8 @@ def report(names: list[str], children: dict[bool, list[dict[str, Any]]], args: a
         f"rounds in {n_processes} process(es); {wall:.0f} s in all"
     )
     print(f"allocator in the tuned processes: {'applied' if status['applied'] else 'NOT applied'} ({status['reason']})")
+    if args.inference_mode:
+        print("ember evaluates under torch.inference_mode(), the hand-written loop under torch.no_grad()")
     print("ratios: median over rounds of ember / hand-written loop in the same round; wall clock (CPU time)")
     for tuned in (True, False):
         print(f"\nallocator {'tuned (the default)' if tuned else 'not tuned (EMBER_TUNE_CPU_ALLOCATOR=0)'}:")
