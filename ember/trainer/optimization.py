@@ -159,10 +159,9 @@ def closure_training_batch(loop: FitLoop, batch: Any, batch_idx: int) -> Any:
         optimizer.zero_grad(set_to_none=True)
         backward(loop, loss)
         hooks.on_before_optimizer_step(optimizer)
-        if trainer.gradient_clip_val is not None:
-            strategy.clip_gradients(
-                trainer.model, optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
-            )
+        clip = trainer.options.gradient_clip_val
+        if clip is not None:
+            strategy.clip_gradients(trainer.model, optimizer, clip, trainer.options.gradient_clip_algorithm)
         return loss
 
     strategy.optimizer_step(optimizer, closure)
@@ -191,8 +190,9 @@ def optimizer_step(loop: FitLoop, optimizer: Optimizer, closure: Any = None) -> 
     automatic = loop.module.automatic_optimization
     strategy.precision.unscale_gradients(optimizer)
     hooks.on_before_optimizer_step(optimizer)
-    if trainer.gradient_clip_val is not None and automatic:
-        strategy.clip_gradients(trainer.model, optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+    clip = trainer.options.gradient_clip_val if automatic else None  # manual: the module clips (clip_gradients)
+    if clip is not None:
+        strategy.clip_gradients(trainer.model, optimizer, clip, trainer.options.gradient_clip_algorithm)
     result = strategy.optimizer_step(optimizer, closure)
     if automatic:
         hooks.on_before_zero_grad(optimizer)
