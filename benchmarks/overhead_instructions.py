@@ -15,7 +15,12 @@ the disk, cache misses. A checkpoint's fsyncs and rename, which run on a
 background thread, count as their user-space instructions only. The wall-clock
 goals stay those of `overhead.py`; this is the measure that is reproducible.
 
-    python benchmarks/overhead_instructions.py        # 10 runs under valgrind: 10-25 minutes on 2 cores
+    python benchmarks/overhead_instructions.py               # 10 runs under valgrind: 10-25 minutes on 2 cores
+    python benchmarks/overhead_instructions.py --repeats 3   # the median of 3 per-step figures per variant
+
+One per-step figure moves by about 1% from run to run (and now and then by 5%: a one-time cost, such as a
+garbage collection, that falls into one run and not the other), so a comparison at the 0.5% level needs
+`--repeats`. Every run gets ``PYTHONHASHSEED=0``, which takes hash randomisation out of that noise.
 
 Needs valgrind (``apt-get install valgrind``); without it, it says so and exits with status 2.
 """
@@ -26,6 +31,7 @@ import argparse
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +66,8 @@ def count(variant: str, epochs: int) -> int:
         "--epochs",
         str(epochs),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{variant!r} under valgrind failed ({done.returncode}):\n{done.stderr[-2000:]}")
     return instructions(done.stderr)
@@ -71,19 +78,31 @@ def per_step(short_run: int, long_run: int) -> float:
     return (long_run - short_run) / ((LONG - SHORT) * STEPS_PER_EPOCH)
 
 
+def median_per_step(pairs: list[tuple[int, int]]) -> float:
+    """The median of the per-step figures of several (short run, long run) pairs."""
+    return statistics.median(per_step(short_run, long_run) for short_run, long_run in pairs)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs under valgrind at once")
+    parser.add_argument("--repeats", type=int, default=1, help="pairs of runs per variant (the median is shown)")
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         print("valgrind is not installed (apt-get install valgrind); nothing measured", file=sys.stderr)
         return 2
-    runs = [(variant, epochs) for variant in VARIANTS for epochs in (SHORT, LONG)]
+    if args.repeats < 1:
+        parser.error("--repeats must be 1 or more")
+    runs = [(variant, epochs, r) for r in range(args.repeats) for variant in VARIANTS for epochs in (SHORT, LONG)]
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        totals = dict(zip(runs, pool.map(lambda run: count(*run), runs), strict=True))
-    steps = {variant: per_step(totals[variant, SHORT], totals[variant, LONG]) for variant in VARIANTS}
+        totals = dict(zip(runs, pool.map(lambda run: count(run[0], run[1]), runs), strict=True))
+    steps = {
+        variant: median_per_step([(totals[variant, SHORT, r], totals[variant, LONG, r]) for r in range(args.repeats)])
+        for variant in VARIANTS
+    }
     raw = steps["raw"]
-    print(f"instructions per step ({(LONG - SHORT) * STEPS_PER_EPOCH} steps: {LONG} epochs minus {SHORT})")
+    what = f"the median of {args.repeats} pairs of runs" if args.repeats > 1 else "one pair of runs"
+    print(f"instructions per step ({(LONG - SHORT) * STEPS_PER_EPOCH} steps: {LONG} epochs minus {SHORT}; {what})")
     for variant, value in steps.items():
         print(f"  {variant:18s} {value / 1e6:8.3f} M   x{value / raw:.4f}")
     minimal, defaults = steps["ember minimal"] / raw, steps["ember defaults"] / raw

@@ -57,3 +57,10 @@ def test_without_valgrind_it_says_so(
     monkeypatch.setattr(sys, "argv", ["overhead_instructions.py"])
     assert script.main() == 2
     assert "valgrind is not installed" in capsys.readouterr().err
+
+
+def test_repeats_take_the_median_of_the_per_step_figures(script: ModuleType) -> None:
+    base = 10_000_000_000
+    pairs = [(base, base + 512 * 1_800_000), (base, base + 512 * 1_900_000), (base + 7, base + 7 + 512 * 1_750_000)]
+    assert script.median_per_step(pairs) == pytest.approx(1_800_000)
+    assert script.median_per_step(pairs[:1]) == pytest.approx(1_800_000)
