@@ -94,6 +94,18 @@ def _owner(fn: Callable[..., Any]) -> Any:
     return getattr(bound, "__self__", None)
 
 
+def _run_each(name: str) -> Callable[[CallbackList], None]:
+    """The `CallbackList` method of hook `name`, which takes no arguments: calls each implementation in order."""
+
+    def call(self: CallbackList) -> None:
+        for fn in self._table[name]:
+            fn()
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"Call ``{name}`` on the module, then on each callback."
+    return call
+
+
 class CallbackList:
     """Calls a hook on the module first, then on each callback in order."""
 
@@ -152,29 +164,14 @@ class CallbackList:
     def teardown(self, stage: str) -> None:
         self._call("teardown", stage)
 
-    def on_fit_start(self) -> None:
-        self._call("on_fit_start")
-
-    def on_fit_end(self) -> None:
-        self._call("on_fit_end")
-
-    def on_sanity_check_start(self) -> None:
-        self._call("on_sanity_check_start")
-
-    def on_sanity_check_end(self) -> None:
-        self._call("on_sanity_check_end")
-
-    def on_train_start(self) -> None:
-        self._call("on_train_start")
-
-    def on_train_end(self) -> None:
-        self._call("on_train_end")
-
-    def on_train_epoch_start(self) -> None:
-        self._call("on_train_epoch_start")
-
-    def on_train_epoch_end(self) -> None:
-        self._call("on_train_epoch_end")
+    on_fit_start = _run_each("on_fit_start")
+    on_fit_end = _run_each("on_fit_end")
+    on_sanity_check_start = _run_each("on_sanity_check_start")
+    on_sanity_check_end = _run_each("on_sanity_check_end")
+    on_train_start = _run_each("on_train_start")
+    on_train_end = _run_each("on_train_end")
+    on_train_epoch_start = _run_each("on_train_epoch_start")
+    on_train_epoch_end = _run_each("on_train_epoch_end")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         for fn in self._table["on_train_batch_start"]:  # per-batch hook: looped inline, no *args packing

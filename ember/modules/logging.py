@@ -141,17 +141,18 @@ class MetricCollector:
         self,
         name: str,
         value: Any,
-        prog_bar: bool = False,
-        logger: bool | None = None,
-        on_step: bool | None = None,
-        on_epoch: bool | None = None,
-        reduce_fx: str | Callable[..., Any] = "mean",
-        enable_graph: bool = False,
-        sync_dist: bool = False,
-        add_dataloader_idx: bool = True,
-        batch_size: int | None = None,
+        prog_bar: bool,
+        logger: bool | None,
+        on_step: bool | None,
+        on_epoch: bool | None,
+        reduce_fx: str | Callable[..., Any],
+        enable_graph: bool,
+        sync_dist: bool,
+        add_dataloader_idx: bool,
+        batch_size: int | None,
     ) -> None:
-        """Record `value` under `name` (the arguments of `TrainingModule.log`, in its order)."""
+        """Record `value` under `name`: the arguments of `TrainingModule.log`, in its order, all given (its
+        defaults are the only ones, so the two cannot drift apart)."""
         if on_step is None:
             on_step = self.stage == "train"
         if on_epoch is None:

@@ -6,6 +6,7 @@ on a loss near 5), enough to flip a plateau scheduler's or early stopping's deci
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -17,6 +18,24 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.modules.logging import MetricCollector
+
+#: `TrainingModule.log`'s defaults, which the collector (it takes every argument) gets from the module.
+LOG_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(ember.TrainingModule.log).parameters.items()
+    if parameter.default is not inspect.Parameter.empty
+}
+
+
+def log(collector: MetricCollector, name: str, value: object, **options: object) -> None:
+    """``self.log(name, value, **options)`` as the module hands it to the collector."""
+    arguments = {**LOG_DEFAULTS, **options}
+    collector.log(
+        name, value, *(arguments[key] for key in (
+            "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "enable_graph", "sync_dist",
+            "add_dataloader_idx", "batch_size",
+        ))
+    )  # fmt: skip
 
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
 
@@ -106,7 +125,7 @@ def test_collector_accumulates_in_float64(reduce_fx: str) -> None:
     collector = MetricCollector()
     collector.start_epoch("validation")
     for value, size in zip(values, sizes, strict=True):
-        collector.log("val/x", value, on_step=None, on_epoch=None, reduce_fx=reduce_fx, batch_size=size)
+        log(collector, "val/x", value, on_step=None, on_epoch=None, reduce_fx=reduce_fx, batch_size=size)
     (result,) = collector.epoch_values().values()
     pairs = [(float(v), n) for v, n in zip(values, sizes, strict=True)]
     expected = hand_mean(pairs) if reduce_fx == "mean" else math.fsum(v for v, _ in pairs)
@@ -116,12 +135,12 @@ def test_collector_accumulates_in_float64(reduce_fx: str) -> None:
 def test_a_float32_total_from_an_older_checkpoint_keeps_accumulating_in_float64() -> None:
     collector = MetricCollector()
     collector.start_epoch("train")
-    collector.log("train/loss", torch.tensor(2.0), on_step=False, on_epoch=True, batch_size=3)
+    log(collector, "train/loss", torch.tensor(2.0), on_step=False, on_epoch=True, batch_size=3)
     state = collector.state_dict()
     state["entries"]["train/loss"]["total"] = state["entries"]["train/loss"]["total"].float()  # as saved before
     restored = MetricCollector()
     restored.load_state_dict(state)
-    restored.log("train/loss", torch.tensor(1.0), on_step=False, on_epoch=True, batch_size=1)
+    log(restored, "train/loss", torch.tensor(1.0), on_step=False, on_epoch=True, batch_size=1)
     (value,) = restored.epoch_values().values()
     assert value.dtype == torch.float64
     assert float(value) == (2.0 * 3 + 1.0) / 4
@@ -133,10 +152,10 @@ def test_accumulating_allocates_nothing_per_step() -> None:
     collector = MetricCollector()
     collector.start_epoch("validation")
     loss = torch.tensor(0.25)
-    collector.log("val/loss", loss, batch_size=4)  # the first log creates the totals
+    log(collector, "val/loss", loss, batch_size=4)  # the first log creates the totals
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(5):
-            collector.log("val/loss", loss, batch_size=4)
+            log(collector, "val/loss", loss, batch_size=4)
     names = {event.name for event in prof.events()}
     assert "aten::add_" in names
     assert not {name for name in names if name.startswith(("aten::empty", "aten::to", "aten::_to_copy"))}, names
