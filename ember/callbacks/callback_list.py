@@ -101,7 +101,7 @@ def _run_each(name: str) -> Callable[[CallbackList], None]:
         for fn in self._table[name]:
             fn()
 
-    call.__name__ = call.__qualname__ = name
+    call.__name__, call.__qualname__ = name, f"CallbackList.{name}"
     call.__doc__ = f"Call ``{name}`` on the module, then on each callback."
     return call
 
