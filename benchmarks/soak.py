@@ -323,7 +323,7 @@ class Run:
             self.report.unreadable_last += 1
             problems.append(f"{self.config.name} after {kind}: no `last` although {saved[-1]} was complete")
         if saved:
-            newest = int(saved[-1].split("=")[1])
+            newest = saved_step(saved[-1])
             if named_step < newest:
                 self.report.lost_work += 1
                 problems.append(f"{self.config.name} after {kind}: `last` is step {named_step}, {saved[-1]} was done")
@@ -341,6 +341,12 @@ class Run:
             self.report.executed_payloads += 1
             problems.append(f"{self.config.name} after {kind}: a payload ran")
             self.marker.unlink()
+
+
+def saved_step(name: str) -> int:
+    """The step of a checkpoint named ``step=N`` (the configurations' `filename`), or ``step=N-vK`` when a
+    launch re-saved step N beside a complete one that a kill kept out of `last`."""
+    return int(name.split("=", 1)[1].split("-v", 1)[0])
 
 
 def _newest_saved_name(saved: list[str], k: int) -> list[str]:

@@ -33,3 +33,19 @@ def test_soak_short_mode_interrupts_every_configuration_and_every_promise_holds(
         assert count(label) == 0, out
     assert re.search(r"^final parameters bitwise equal:\s+True$", out, re.MULTILINE), out
     assert out.strip().endswith("verdict: every promise held")
+
+
+def test_the_soak_reads_the_step_of_a_re_saved_checkpoint() -> None:
+    """A kill between a checkpoint's completion and `last` naming it leaves that checkpoint complete; the resumed
+    launch re-saves the same step as ``step=N-v1``, which the soak's bookkeeping must read as step N."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("soak", ROOT / "benchmarks" / "soak.py")
+    assert spec is not None and spec.loader is not None
+    soak = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = soak  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(soak)
+    finally:
+        del sys.modules["soak"]
+    assert [soak.saved_step(name) for name in ("step=38", "step=38-v1", "step=7-v12")] == [38, 38, 7]
