@@ -57,10 +57,11 @@ class CSVLogger(Logger):
         """Write ``hparams.yaml`` if new, then the buffered rows: appended when the columns are unchanged, else
         the file is rewritten atomically."""
         if self._hparams is not None:
-            from omegaconf import OmegaConf  # 50-200 ms to import: not before the first batch
+            import yaml  # PyYAML alone (about 12 ms to import; omegaconf on top of it adds about 40 ms)
 
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write(self.log_dir / "hparams.yaml", OmegaConf.to_yaml(OmegaConf.create(self._hparams)))
+            text = yaml.safe_dump(self._hparams, sort_keys=False, default_flow_style=False)  # non-ASCII escaped
+            atomic_write(self.log_dir / "hparams.yaml", text)
             self._hparams = None
         if len(self._rows) == self._written:
             return
@@ -131,6 +132,11 @@ def _plain(value: Any) -> Any:
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
+    if value is None:
+        return None
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        return _plain(value.item())  # a numpy scalar or a 0-d tensor: its Python number
+    for kind in (bool, int, float, str):  # subclasses (numpy's float64, an IntEnum) as the plain type
+        if isinstance(value, kind):
+            return kind(value)
     return repr(value)

@@ -6,8 +6,13 @@ import csv
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ember.loggers import CSVLogger
+from ember.loggers.csv import _plain
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:
@@ -94,3 +99,50 @@ def test_hparams_are_written_by_finalize_without_rows(tmp_path: Path) -> None:
     logger.finalize("failed")
     assert (tmp_path / "run" / "hparams.yaml").read_text() == "lr: 0.1\n"
     assert not (tmp_path / "run" / "metrics.csv").exists()
+
+
+_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False),
+    st.text(max_size=12),  # strings that read as numbers, bools, null or dates must stay strings
+    st.sampled_from(["null", "true", "no", "1e3", "0x10", "2026-12-03", "~", "a: b", "- x", "'q'", "#c"]),
+)  # fmt: skip
+_PARAMS = st.dictionaries(
+    st.text(min_size=1, max_size=8),
+    st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.text(min_size=1, max_size=6), inner, max_size=3), max_leaves=8),
+    max_size=6,
+)  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(params=_PARAMS)
+def test_hparams_yaml_reads_back_as_omegaconf_wrote_it(params: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Differential: the file loads to the values, and to what ``OmegaConf.to_yaml`` (the writer before) gave."""
+    from omegaconf import OmegaConf
+
+    directory = tmp_path_factory.mktemp("hparams")
+    logger = CSVLogger(save_dir=directory)
+    logger.log_hyperparams(params)
+    logger.save()
+    written = yaml.safe_load((directory / "hparams.yaml").read_text(encoding="utf-8"))
+    plain = _plain(params)
+    assert written == (plain or None) or written == plain
+    assert written == yaml.safe_load(OmegaConf.to_yaml(OmegaConf.create(plain)))
+
+
+def test_hparams_of_numpy_and_enum_types_are_written_as_plain_values(tmp_path: Path) -> None:
+    import enum
+
+    import numpy as np
+
+    class Size(enum.IntEnum):
+        SMALL = 3
+
+    logger = CSVLogger(save_dir=tmp_path)
+    params = {"lr": np.float64(0.5), "n": np.int64(7), "size": Size.SMALL, "flag": np.bool_(True),
+              "scale": torch.tensor(2.5), "weights": torch.ones(2)}  # fmt: skip
+    logger.log_hyperparams(params)
+    logger.save()
+    assert yaml.safe_load((tmp_path / "hparams.yaml").read_text()) == {
+        "lr": 0.5, "n": 7, "size": 3, "flag": True, "scale": 2.5, "weights": repr(torch.ones(2)),
+    }  # fmt: skip
