@@ -90,6 +90,27 @@ class TrainerOptions:
 NAMES = tuple(field.name for field in dataclasses.fields(TrainerOptions))
 
 
+class OptionAttribute:
+    """``trainer.<name>`` reads ``trainer.options.<name>``: a class attribute, so the read is one lookup and no
+    failed one (hooks may read options every step). It only has ``__get__``, so an attribute the Trainer sets on
+    itself under the same name wins."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, trainer: Any, owner: type | None = None) -> Any:
+        if trainer is None:
+            return self
+        return getattr(trainer.options, self.name)
+
+
+def expose(cls: type) -> None:
+    """Give `cls` (the Trainer) an `OptionAttribute` for every option it does not define itself."""
+    for name in NAMES:
+        if name not in vars(cls):
+            setattr(cls, name, OptionAttribute(name))
+
+
 def build(given: dict[str, Any]) -> TrainerOptions:
     """Check every option in `given` (the Trainer's keywords) and return them normalised."""
     options = TrainerOptions(**given)

@@ -1,10 +1,9 @@
 """`Trainer`: stores its options, then runs fit / validate / test / predict.
 
-`__init__` checks and stores the options (`options.TrainerOptions`) and builds what they name (the
-strategy, the profiler); the work happens in `fit` and friends. A run is a short sequence of named
-steps (`_run`); the fit loop and its state are `loop.FitLoop`, evaluation is `evaluation.run_evaluation`,
-the metrics path is `reporting.Reporter`. Other modules read the trainer through public names only.
-"""
+`__init__` checks and stores the options (`options.TrainerOptions`, readable as ``trainer.<name>``) and builds
+what they name (the strategy, the profiler); the work happens in `fit` and friends. A run is a short sequence of
+named steps (`_run`); the fit loop and its state are `loop.FitLoop`, evaluation is `evaluation.run_evaluation`, the
+metrics path is `reporting.Reporter`. Other modules read the trainer through public names only."""
 
 from __future__ import annotations
 
@@ -133,9 +132,7 @@ class Trainer:
         self._fit_loop: FitLoop | None = None
 
     def __getattr__(self, name: str) -> Any:
-        """Options read as attributes: ``trainer.max_epochs`` is ``trainer.options.max_epochs``."""
-        if name in options.NAMES and "options" in self.__dict__:
-            return getattr(self.options, name)
+        """Only for names the Trainer lacks (options are read through `options.expose`, below the class)."""
         if name in _LIGHTNING_NAMES:
             raise AttributeError(f"Trainer has no {name!r}; in ember it is trainer.{_LIGHTNING_NAMES[name]}")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -392,6 +389,9 @@ class Trainer:
     def training(self) -> bool:
         """Whether training epochs are running (a save asked for now waits for the next step boundary)."""
         return self._fit_loop is not None and self._fit_loop.running
+
+
+options.expose(Trainer)  # trainer.max_epochs is trainer.options.max_epochs
 
 
 def _resolve_profiler(value: Any) -> Profiler | None:

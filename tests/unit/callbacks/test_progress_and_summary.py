@@ -98,8 +98,9 @@ def test_progress_lines_every_n_percent() -> None:
     assert re.search(r"\[[\d.e+]+ batches/s, 0:0\d left\]$", lines[0])
 
 
-def test_progress_lines_every_n_seconds_with_rate_and_time_left(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each batch takes 10 s on a fake clock; a line is due every 25 s."""
+def _lines_of_a_slow_fit(monkeypatch: pytest.MonkeyPatch, **trainer_options: Any) -> list[str]:
+    """The progress lines of a 10-batch fit whose batches take 10 s each on a fake clock (a line every 25 s),
+    with each loss value replaced by ``L``."""
     from ember.callbacks import progress as progress_module
 
     clock = types.SimpleNamespace(now=0.0)
@@ -111,15 +112,14 @@ def test_progress_lines_every_n_seconds_with_rate_and_time_left(monkeypatch: pyt
             return super().training_step(batch, batch_idx)
 
     stream = io.StringIO()
-    trainer = ember.Trainer(
-        max_epochs=1,
-        callbacks=[ProgressLine(stream=stream, every_n_seconds=25)],
-        logger=False,
-        enable_model_summary=False,
-    )
+    trainer = ember.Trainer(callbacks=[ProgressLine(stream=stream, every_n_seconds=25)], logger=False,
+                            enable_model_summary=False, **trainer_options)  # fmt: skip
     trainer.fit(Slow(), ten_batches())
-    lines = stream.getvalue().splitlines()
-    assert [re.sub(r"train/loss \S+", "L", line) for line in lines] == [
+    return [re.sub(r"train/loss \S+", "L", line) for line in stream.getvalue().splitlines()]
+
+
+def test_progress_lines_every_n_seconds_with_rate_and_time_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _lines_of_a_slow_fit(monkeypatch, max_epochs=1) == [
         "epoch 1/1  step 3  batch 3/10  L  [0.1 batches/s, 1:10 left]",
         "epoch 1/1  step 6  batch 6/10  L  [0.1 batches/s, 0:40 left]",
         "epoch 1/1  step 9  batch 9/10  L  [0.1 batches/s, 0:10 left]",
@@ -129,22 +129,7 @@ def test_progress_lines_every_n_seconds_with_rate_and_time_left(monkeypatch: pyt
 
 def test_time_left_counts_only_the_batches_max_steps_allows(monkeypatch: pytest.MonkeyPatch) -> None:
     """max_steps=7 ends the run at batch 7 of 10: the time left counts 7 - done batches, not the epoch's."""
-    from ember.callbacks import progress as progress_module
-
-    clock = types.SimpleNamespace(now=0.0)
-    monkeypatch.setattr(progress_module, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
-
-    class Slow(Regressor):
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            clock.now += 10.0
-            return super().training_step(batch, batch_idx)
-
-    stream = io.StringIO()
-    trainer = ember.Trainer(max_steps=7, callbacks=[ProgressLine(stream=stream, every_n_seconds=25)], logger=False,
-                            enable_model_summary=False)  # fmt: skip
-    trainer.fit(Slow(), ten_batches())
-    lines = [re.sub(r"train/loss \S+", "L", line) for line in stream.getvalue().splitlines()]
-    assert lines[:2] == [
+    assert _lines_of_a_slow_fit(monkeypatch, max_steps=7)[:2] == [
         "epoch 1  step 3  batch 3/10  L  [0.1 batches/s, 0:40 left]",
         "epoch 1  step 6  batch 6/10  L  [0.1 batches/s, 0:10 left]",
     ]

@@ -1,5 +1,6 @@
 """What a training step may not do: read the Trainer's options through ``Trainer.__getattr__`` (a failed
-attribute lookup, an exception raised and caught inside Python, each time). Per-step work is counted as the
+attribute lookup, an exception raised and caught inside Python, each time), neither in ember nor in a callback
+that reads ``trainer.<option>``. Per-step work is counted as the
 difference between a fit of 12 batches and one of 4, so per-epoch and per-run reads cancel out."""
 
 from __future__ import annotations
@@ -54,7 +55,15 @@ class BackwardHook(Callback):
         pass
 
 
+class ReadsOptions(Callback):
+    """A callback reading options every batch, as progress or monitoring callbacks do."""
+
+    def on_train_batch_end(self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, i: int) -> None:
+        assert trainer.max_epochs == 1 and trainer.gradient_clip_val is None and trainer.log_every_n_steps > 0
+
+
 SCENARIOS: dict[str, tuple[type[Auto], dict[str, Any]]] = {
+    "a callback reading options": (Auto, {"callbacks": [ReadsOptions()]}),
     "plain": (Auto, {}),
     "general (clipping, accumulation, a backward hook)": (
         Auto,
