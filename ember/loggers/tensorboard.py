@@ -9,14 +9,13 @@ where installed, boto3, which costs a fresh process 0.2 to 1.5 s (docs/benchmark
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import socket
 import struct
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ember.loggers.logger import Logger, public_params
 
@@ -65,7 +64,7 @@ class TensorBoardLogger(Logger):
         self.log_histograms_every_n_steps = log_histograms_every_n_steps
         self.flush_secs = flush_secs
         self._writer: SummaryWriter | None = None
-        self._events: _Events | None = None
+        self._events: EventFile | None = None
         self._purge_step: int | None = None
         self._hparams: dict[str, Any] | None = None
         self._hparams_written = False
@@ -82,26 +81,21 @@ class TensorBoardLogger(Logger):
     def experiment(self) -> SummaryWriter:
         """This logger's ``torch.utils.tensorboard.SummaryWriter``, for anything else you want to write.
 
-        Created on first use, which imports TensorBoard's writer (histogram logging creates it from the
-        start); from then on the logger's own events go through it as well, so one file holds them all.
+        Created on first use, which imports TensorBoard's writer (histogram logging creates it at the
+        first histogram). It writes into the logger's own event file, so one file holds everything the
+        run logs, and a file it starts after being closed is named like the logger's (sorting after
+        every earlier file in the folder).
         """
         if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
+            from ember.loggers.tensorboard_writer import summary_writer
 
-            if self._events is not None:  # a file of its own so far: closed; the writer's file sorts after it
-                self._events.close()
-                self._events = None
-            self._writer = SummaryWriter(str(self.log_dir), purge_step=self._purge_step, flush_secs=self.flush_secs)
-            self._purge_step = None
+            self._writer = summary_writer(self.log_dir, self._event_file)
         return self._writer
 
-    def _event_file(self) -> _Events:
-        if self._events is None:
-            if self._writer is not None or self.log_histograms_every_n_steps:
-                self._events = _WriterEvents(self.experiment)
-            else:
-                self._events = EventFile(self.log_dir, purge_step=self._purge_step)
-                self._purge_step = None  # purge once, when the resumed run writes its first event
+    def _event_file(self) -> EventFile:
+        if self._events is None or self._events.closed:
+            self._events = EventFile(self.log_dir, purge_step=self._purge_step)
+            self._purge_step = None  # purge once, when the resumed run writes its first event
         return self._events
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -147,12 +141,12 @@ class TensorBoardLogger(Logger):
         self._close()
 
     def _close(self) -> None:
-        if self._events is not None:
-            self._events.close()
-            self._events = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._events is not None:
+            self._events.close()
+            self._events = None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a run: events logged after ``state["step"]`` are purged when writing resumes."""
@@ -187,40 +181,6 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any
 # --- writing event files -------------------------------------------------------------------------------
 
 
-class _Events(Protocol):
-    def add_scalars(self, metrics: Mapping[str, float], step: int, wall_time: float) -> None: ...
-    def add_summary(self, summary: Summary, step: int, wall_time: float) -> None: ...
-    def flush(self) -> None: ...
-    def close(self) -> None: ...
-
-
-class _WriterEvents:
-    """The `_Events` of a ``SummaryWriter`` (closing it is the logger's business)."""
-
-    def __init__(self, writer: SummaryWriter) -> None:
-        self._writer = writer
-
-    def add_scalars(self, metrics: Mapping[str, float], step: int, wall_time: float) -> None:
-        for name, value in metrics.items():
-            self._writer.add_scalar(name, value, step, walltime=wall_time)
-
-    def add_summary(self, summary: Summary, step: int, wall_time: float) -> None:
-        file_writer = self._writer.file_writer
-        assert file_writer is not None  # SummaryWriter opens it in __init__
-        file_writer.add_summary(summary, step, wall_time)
-
-    def flush(self) -> None:
-        self._writer.flush()
-
-    def close(self) -> None:
-        pass
-
-
-#: The file-name counter of `EventFile`: a name sorts after an earlier one of this process, and before a
-#: ``SummaryWriter``'s made in the same second (``-`` sorts before digits), as TensorBoard reads them in order.
-_file_numbers = itertools.count()
-
-
 class EventFile:
     """Appends TensorBoard events to a new ``events.out.tfevents.*`` file in `log_dir`.
 
@@ -236,26 +196,27 @@ class EventFile:
 
         self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
         log_dir.mkdir(parents=True, exist_ok=True)
-        stamp = max(int(time.time()), _newest_stamp(log_dir) + 1)  # TensorBoard reads files in name order
-        name = f"events.out.tfevents.{stamp:010d}.{socket.gethostname()}.{os.getpid()}"
-        self.path = log_dir / f"{name}.-{next(_file_numbers):04d}"
+        # TensorBoard reads a folder's files in name order: this one sorts after every file already there
+        stamp = max(int(time.time()), _newest_stamp(log_dir) + 1)
+        self.path = log_dir / f"events.out.tfevents.{stamp:010d}.{socket.gethostname()}.{os.getpid()}"
         self._file: BinaryIO = open(self.path, "wb")  # noqa: SIM115  (closed by close())
-        self._write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+        self.add_event(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
         if purge_step is not None:
             start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
-            self._write(event_pb2.Event(wall_time=time.time(), step=purge_step, session_log=start))
+            self.add_event(event_pb2.Event(wall_time=time.time(), step=purge_step, session_log=start))
 
     def add_scalars(self, metrics: Mapping[str, float], step: int, wall_time: float) -> None:
         """One scalar event per metric, as ``SummaryWriter.add_scalar`` writes them."""
         Summary = self._summary_pb2.Summary
         for name, value in metrics.items():
             summary = Summary(value=[Summary.Value(tag=name, simple_value=value)])
-            self._write(self._event_pb2.Event(wall_time=wall_time, step=step, summary=summary))
+            self.add_event(self._event_pb2.Event(wall_time=wall_time, step=step, summary=summary))
 
     def add_summary(self, summary: Summary, step: int, wall_time: float) -> None:
-        self._write(self._event_pb2.Event(wall_time=wall_time, step=step, summary=summary))
+        self.add_event(self._event_pb2.Event(wall_time=wall_time, step=step, summary=summary))
 
-    def _write(self, event: Any) -> None:
+    def add_event(self, event: Any) -> None:
+        """Append one ``Event`` record."""
         data = event.SerializeToString()
         header = struct.pack("<Q", len(data))
         self._file.write(
@@ -268,15 +229,19 @@ class EventFile:
     def close(self) -> None:
         self._file.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
 
 def _newest_stamp(log_dir: Path) -> int:
     """The largest seconds field among the event files in `log_dir` (-1 if none): a new file's name must sort
     after them even when the clock stepped back or the host name changed since they were written."""
     stamps = [-1]
     for path in log_dir.glob("events.out.tfevents.*"):
-        field = path.name.split(".")[3]
-        if field.isdigit():
-            stamps.append(int(field))
+        fields = path.name.split(".")
+        if len(fields) > 3 and fields[3].isdigit():
+            stamps.append(int(fields[3]))
     return max(stamps)
 
 

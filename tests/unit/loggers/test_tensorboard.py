@@ -264,14 +264,46 @@ def test_a_resumed_file_is_read_after_the_earlier_one_whatever_the_clock_or_host
     assert scalars(read(tmp_path), "a") == [(1, 1.0), (2, 2.0), (3, 30.0)]
 
 
-def test_experiment_taken_mid_run_continues_in_its_own_file_after_the_loggers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writes", ["scalars", "histograms", "experiment"])
+def test_resumes_in_one_second_purge_right_however_many_writers_the_process_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writes: str
+) -> None:
+    """TensorBoard reads a folder's files in name order. TensorBoard's own writer numbers its files with a
+    per-process counter that sorts as text (the 10th file before the 9th): a resumed run's file could be read
+    before the one it purges, whichever way the logger writes (its own scalars, histograms, `experiment`)."""
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(8))
+    now = time.time()
+    monkeypatch.setattr("time.time", lambda: now)  # every file made in the same second
+    for run in range(4):  # each run resumes from the step `run` and logs two more steps
+        logger = TensorBoardLogger(tmp_path, log_histograms_every_n_steps=1 if writes == "histograms" else None)
+        if run:
+            logger.load_state_dict({"step": run})
+        for step in (run + 1, run + 2):
+            value = float(10 * run + step)
+            if writes == "experiment":
+                logger.experiment.add_scalar("a", value, step)
+            else:
+                logger.log_metrics({"a": value}, step=step)
+            if writes == "histograms":
+                logger.log_histograms({"w": torch.full((2,), value)}, step=step)
+        logger.finalize("failed")
+    acc = read(tmp_path)
+    expected = [(1, 1.0), (2, 12.0), (3, 23.0), (4, 34.0), (5, 35.0)]
+    assert scalars(acc, "a") == expected
+    if writes == "histograms":
+        assert [(e.step, e.histogram_value.sum) for e in acc.Histograms("w")] == [(s, 2 * v) for s, v in expected]
+
+
+def test_experiment_taken_mid_run_writes_into_the_loggers_file(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path)
     logger.log_metrics({"a": 1.0}, step=1)
-    logger.save()  # the logger's own file holds step 1
+    logger.save()  # the logger's file holds step 1
     logger.experiment.add_scalar("custom", 5.0, 2)
     logger.log_metrics({"a": 2.0}, step=2)
     logger.finalize("success")
-    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
     acc = read(tmp_path)
     assert scalars(acc, "a") == [(1, 1.0), (2, 2.0)]
     assert scalars(acc, "custom") == [(2, 5.0)]
