@@ -3,6 +3,8 @@ and a sweep killed with SIGKILL mid-trial that the same command then completes w
 
 The trials are the digits example cut short (3 epochs of 6 batches). Starting a sweep's processes costs
 seconds, so one test kills a sweep, completes it, and then checks everything a finished sweep writes.
+Whether the median pruner stops a trial there depends on timing (which values are drawn, and which trials
+are complete when another reports), so pruning has its own test, with one worker and a fixed order.
 """
 
 from __future__ import annotations
@@ -53,6 +55,17 @@ seed: 0
 pruner: {name: median, n_startup_trials: 1, n_warmup_steps: 0}
 parameters:
   module.lr: {distribution: log_uniform, min: 1.0e-4, max: 1.0e-1}
+  module.hidden: {distribution: int_uniform, min: 8, max: 64}
+"""
+
+PRUNE_SPACE = """\
+metric: val/acc
+direction: maximize
+sampler: {name: random}
+seed: 0
+pruner: {name: median, n_startup_trials: 1, n_warmup_steps: 0}
+parameters:
+  module.lr: {distribution: log_uniform, min: 1.0e-7, max: 1.0e-1}
   module.hidden: {distribution: int_uniform, min: 8, max: 64}
 """
 
@@ -165,12 +178,43 @@ def test_sigkill_mid_trial_then_the_same_command_finishes_without_counting_twice
     assert (again.complete + again.pruned, len(load(directory).trials)) == (n, len(trials))
 
 
+def test_the_median_pruner_stops_a_clearly_worse_trial(files: tuple[Path, Path], tmp_path: Path, capsys: Any) -> None:
+    """One worker runs two trials one after the other: a learning rate that learns first (it completes and sets
+    the median), then one that learns nothing, which the median pruner stops at its first validation. The
+    order is fixed by queueing both trials' values in the study the sweep then continues."""
+    base, _ = files
+    space = tmp_path / "prune.yaml"
+    space.write_text(PRUNE_SPACE, encoding="utf-8")
+    directory = tmp_path / "sweep"
+    directory.mkdir()
+    good, bad = {"module.lr": 0.05, "module.hidden": 32}, {"module.lr": 1.0e-7, "module.hidden": 32}
+    queued = optuna.create_study(
+        storage=f"sqlite:///{directory / 'study.db'}", study_name=STUDY_NAME, direction="maximize"
+    )
+    queued.enqueue_trial(good)
+    queued.enqueue_trial(bad)
+    capsys.readouterr()
+    result = run_sweep([str(base)], [], str(space), trials=2, workers=1, directory=directory, verbose=True)
+    stdout = capsys.readouterr().out
+    trials = load(directory).get_trials()
+    assert [(t.number, t.state.name, t.params) for t in trials] == [(0, "COMPLETE", good), (1, "PRUNED", bad)]
+    complete, pruned = trials
+    assert complete.user_attrs["epochs"] == 3 and sorted(complete.intermediate_values) == [0, 1, 2]
+    assert pruned.user_attrs["epochs"] == 1 and list(pruned.intermediate_values) == [0]  # stopped at step 0
+    assert pruned.value == pruned.intermediate_values[0] < complete.intermediate_values[0] - 0.3  # clearly worse
+    assert (result.complete, result.pruned, result.failed) == (1, 1, 0)
+    assert (result.epochs_run, result.epochs_without_pruning) == (3 + 1, 3 + 3)
+    assert "sweep: trial 1 pruned after 1 epochs" in stdout and "sweep: trial 0 complete" in stdout
+    assert "sweep: 2 of 2 trials finished (1 complete, 1 pruned; 0 failed)" in stdout
+    run_dir = Path(pruned.user_attrs["run_dir"])  # a pruned trial is an ordinary run that stopped early
+    assert run_dir == directory / "trial_001" / "version_0" and (run_dir / "checkpoints" / "last").exists()
+
+
 def check_outputs(directory: Path, study: optuna.Study, stdout: str, capsys: Any) -> None:
     """Every finished trial is an ordinary run with its values; the table, best.yaml and TensorBoard hparams."""
     trials = finished(study)
     assert {t.user_attrs["worker"] for t in trials} == {0, 1}  # both workers ran trials
-    pruned = [t for t in trials if t.state.name == "PRUNED"]
-    assert pruned, "the median pruner stopped at least one trial"
+    pruned = [t for t in trials if t.state.name == "PRUNED"]  # may be none: see test_the_median_pruner_stops_...
     for trial in trials:
         run_dir = Path(trial.user_attrs["run_dir"])
         assert run_dir == directory / f"trial_{trial.number:03d}" / "version_0"
@@ -178,7 +222,9 @@ def check_outputs(directory: Path, study: optuna.Study, stdout: str, capsys: Any
         assert saved["module"]["lr"] == trial.params["module.lr"]
         assert saved["module"]["hidden"] == trial.params["module.hidden"]
         assert (run_dir / "checkpoints" / "last").exists() and (run_dir / "metrics.csv").exists()
-        assert trial.user_attrs["epochs"] < 3 if trial in pruned else trial.user_attrs["epochs"] == 3
+        # One validation per epoch; a pruned trial stops after the one that pruned it, which may be the last.
+        assert trial.user_attrs["epochs"] == len(trial.intermediate_values)
+        assert trial.user_attrs["epochs"] <= 3 if trial in pruned else trial.user_attrs["epochs"] == 3
         assert trial.value == pytest.approx(max(trial.intermediate_values.items())[1])  # the last report
     n = len(trials)
     assert "┃ trial" in stdout and f"sweep: {n} of {n} trials finished" in stdout
