@@ -45,9 +45,9 @@ def test_output_without_a_summary_is_an_error_that_shows_it(script: ModuleType) 
 
 
 def test_per_step_is_the_difference_over_the_steps_between_the_runs(script: ModuleType) -> None:
-    # 1 and 3 epochs of 256 steps: 512 steps apart; start-up and the first epoch cancel out.
-    assert script.SHORT == 1 and script.LONG == 3 and script.STEPS_PER_EPOCH == 256
-    assert script.per_step(10_095_694_059, 11_008_298_331) == pytest.approx(1_782_430.5)
+    # 1 and 9 epochs of 256 steps: 2048 steps apart; start-up and the first epoch cancel out.
+    assert script.SHORT == 1 and script.LONG == 9 and script.STEPS_PER_EPOCH == 256
+    assert script.per_step(10_095_694_059, 13_746_112_571) == pytest.approx(1_782_430.5)
 
 
 def test_without_valgrind_it_says_so(
@@ -61,6 +61,11 @@ def test_without_valgrind_it_says_so(
 
 def test_repeats_take_the_median_of_the_per_step_figures(script: ModuleType) -> None:
     base = 10_000_000_000
-    pairs = [(base, base + 512 * 1_800_000), (base, base + 512 * 1_900_000), (base + 7, base + 7 + 512 * 1_750_000)]
+    steps = (script.LONG - script.SHORT) * script.STEPS_PER_EPOCH
+    pairs = [
+        (base, base + steps * 1_800_000),
+        (base, base + steps * 1_900_000),
+        (base + 7, base + 7 + steps * 1_750_000),
+    ]
     assert script.median_per_step(pairs) == pytest.approx(1_800_000)
     assert script.median_per_step(pairs[:1]) == pytest.approx(1_800_000)
