@@ -10,6 +10,7 @@ The model has two repeated blocks, so FSDP shards them as their own units beside
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sys
@@ -173,7 +174,9 @@ def save_result(out: Path, name: str, data: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}-rank{rank()}.pt"
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(data, tmp)
+    buffer = io.BytesIO()  # serialized in memory, written by Python: a failed write names its OSError (errno), where
+    torch.save(data, buffer)  # torch's own file writer once reported a parent directory that existed as missing
+    tmp.write_bytes(buffer.getvalue())
     os.replace(tmp, path)
 
 
