@@ -34,7 +34,7 @@ from typing import IO, Any, cast
 import torch
 from torch import Tensor
 
-from ember.checkpoint.files import GuardedFile, guarded_open
+from ember.checkpoint.files import guarded_open
 
 DATA_FILE = "__0_0.distcp"
 METADATA_FILE = ".metadata"
@@ -76,10 +76,10 @@ def _layout(tensor: Tensor) -> tuple[Any, ...] | None:
     return (tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset(), storage_bytes, metadata, options)
 
 
-def _records(f: IO[bytes] | GuardedFile, pickled: bytes, tensor: Tensor) -> None:
+def _records(f: IO[bytes], pickled: bytes, tensor: Tensor) -> None:
     """The records of ``torch.save(tensor, f)``, in its order, with the pickle given."""
     options = (torch.serialization.get_crc32_options(), torch.serialization._get_storage_alignment())
-    writer = torch._C.PyTorchFileWriter(cast(IO[bytes], f), *options)
+    writer = torch._C.PyTorchFileWriter(f, *options)
     alignment, byteorder = str(options[1]).encode(), sys.byteorder.encode()
     writer.write_record("data.pkl", pickled, len(pickled))
     writer.write_record(".format_version", b"1", 1)
@@ -101,14 +101,14 @@ def _learn(tensor: Tensor) -> bytes | None:
     return pickled if candidate.getvalue() == expected else None
 
 
-def save_tensor(tensor: Tensor, f: IO[bytes] | GuardedFile) -> None:
+def save_tensor(tensor: Tensor, f: IO[bytes]) -> None:
     """Write exactly what ``torch.save(tensor, f)`` writes (without its flush), faster for a repeated layout."""
     layout = _layout(tensor)
     if layout is not None and layout not in _PICKLED and len(_PICKLED) < _MAX_LAYOUTS:
         _PICKLED[layout] = _learn(tensor)
     pickled = None if layout is None else _PICKLED.get(layout)
     if pickled is None:
-        torch.save(tensor, cast(IO[bytes], f))
+        torch.save(tensor, f)
     else:
         _records(f, pickled, tensor)
 

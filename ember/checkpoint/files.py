@@ -12,12 +12,13 @@ loggers' ``metrics.csv`` and ``hparams.yaml``, ``config.yaml``, exported artifac
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any
 
 import torch
 
@@ -56,73 +57,89 @@ def atomic_write(path: Path, data: str | bytes, sync_dir: bool = False) -> None:
 def torch_save_to(obj: Any, path: Path, sync: bool) -> None:
     """``torch.save(obj)`` into `path` through a `GuardedFile` (flushed, fsynced with `sync`)."""
     with guarded_open(path, sync) as f:
-        torch.save(obj, cast(IO[bytes], f))  # a file-like object with write, tell and flush
+        torch.save(obj, f)
 
 
-class GuardedFile:
-    """A binary file whose ``write`` never raises into torch's C++ serializer.
+class _NeverRaises(io.RawIOBase):
+    """The raw file under a `GuardedFile`: records the first `OSError` of a write and pretends that write
+    (and every later one) succeeded, counting the bytes it dropped so that ``tell`` stays consistent."""
 
-    ``torch.save`` and `save_tensor` write through a C++ stream writer; when a write fails (ENOSPC),
-    the exception leaves that writer unfinished, and its destructor then throws again, which aborts
-    the whole process (``terminate called after throwing an instance of 'c10::Error'``). This wrapper
-    records the first `OSError`, pretends every later write succeeded (so the writer finishes
-    normally), and `check` raises the recorded error once the writer is done with the file.
-    """
-
-    def __init__(self, raw: IO[bytes]) -> None:
-        self.raw = raw
+    def __init__(self, file: IO[bytes]) -> None:
+        super().__init__()
+        self.file = file
         self.error: OSError | None = None
-        self._lost = 0  # bytes pretended written after the error
+        self.lost = 0  # bytes pretended written after the error
+
+    def writable(self) -> bool:
+        return True
 
     def write(self, data: Any) -> int:
         size = memoryview(data).nbytes
         if self.error is None:
             try:
-                self.raw.write(data)
-                return size
+                written = self.file.write(data)
+                return size if written is None else written  # a short write: the buffer above retries the rest
             except OSError as exc:
                 self.error = exc
-        self._lost += size
+        self.lost += size
         return size
 
     def tell(self) -> int:
-        return self.raw.tell() + self._lost
-
-    def flush(self) -> None:
-        if self.error is None:
-            try:
-                self.raw.flush()
-            except OSError as exc:
-                self.error = exc
+        return self.file.tell() + self.lost
 
     def fileno(self) -> int:
-        return self.raw.fileno()
+        return self.file.fileno()
 
     @property
     def name(self) -> Any:
-        return self.raw.name
+        return self.file.name
 
-    def writable(self) -> bool:
-        return True
+
+class GuardedFile(io.BufferedWriter):
+    """A binary file whose ``write`` never raises into torch's C++ serializer.
+
+    ``torch.save`` and `save_tensor` write through a C++ stream writer; when a write fails (ENOSPC),
+    the exception leaves that writer unfinished, and its destructor then throws again, which aborts
+    the whole process (``terminate called after throwing an instance of 'c10::Error'``). Under this
+    buffer, the first `OSError` is recorded, every later write pretends to succeed (so the writer
+    finishes normally), and `check` raises the recorded error once the writer is done with the file.
+
+    ``write`` is the C buffer's own method: torch's serializer makes a few dozen small writes per
+    tensor, and none of them runs Python code until the buffer fills. ``fileno`` flushes first, so an
+    ``os.fsync(f.fileno())`` (as torch.distributed.checkpoint does) covers everything written.
+    """
+
+    def __init__(self, file: IO[bytes], buffer_size: int = 1 << 16) -> None:
+        self._guard = _NeverRaises(file)
+        super().__init__(self._guard, buffer_size=buffer_size)
+
+    @property
+    def error(self) -> OSError | None:
+        """The first write error, or None."""
+        return self._guard.error
+
+    def fileno(self) -> int:
+        self.flush()
+        return super().fileno()
 
     def close(self) -> None:
-        """Flush only: the file is closed by whoever opened it (`guarded_open`)."""
+        """Flush only: the file underneath is closed by whoever opened it (`guarded_open`)."""
         self.flush()
 
     def check(self) -> None:
-        """Raise the first write error, if any (call after the serializer is finished)."""
-        if self.error is not None:
-            raise self.error
+        """Flush, then raise the first write error, if any (call after the serializer is finished)."""
+        self.flush()
+        if self._guard.error is not None:
+            raise self._guard.error
 
 
 @contextmanager
 def guarded_open(path: Path, sync: bool) -> Iterator[GuardedFile]:
     """``open(path, "wb")`` as a `GuardedFile`: flushed (and fsynced with `sync`) on success; its write
     error raised once the block is done."""
-    with open(path, "wb") as raw:
+    with open(path, "wb", buffering=0) as raw:
         f = GuardedFile(raw)
         yield f
-        f.flush()
         f.check()
         if sync:
             os.fsync(raw.fileno())

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ember.checkpoint import dcp_writer
-from ember.checkpoint.files import GuardedFile, atomic_write, fsync_path, torch_save_to
+from ember.checkpoint.files import atomic_write, fsync_path, guarded_open, torch_save_to
 from ember.checkpoint.format import FORMAT_VERSION, LAST_FILE, META_FILE, CheckpointWriteError
 
 
@@ -79,7 +79,7 @@ def _raise_write_error(path: Path, exc: BaseException, needed: int = 0) -> NoRet
     raise exc
 
 def _guarded_writer(tmp: Path, threads: int) -> Any:
-    """DCP's file writer, with every stream a `dcp_writer.GuardedFile` (see there: a failed write must not
+    """DCP's file writer, with every stream a `GuardedFile` (see there: a failed write must not
     abort the process)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystem
@@ -91,10 +91,8 @@ def _guarded_writer(tmp: Path, threads: int) -> Any:
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            with Path(path).open(mode) as raw:
-                guarded = GuardedFile(raw)
-                yield guarded
-                guarded.check()
+            with guarded_open(Path(path), sync=False) as stream:  # DCP fsyncs it (GuardedFile.fileno flushes)
+                yield stream
 
     writer = dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True, thread_count=threads)
     writer.fs = GuardedFileSystem()
