@@ -8,6 +8,7 @@ NCCL on CUDA and gloo on CPU.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import time
@@ -272,7 +273,18 @@ class ParallelStrategy(Strategy):
         return stop
 
     def teardown(self) -> None:
-        """The process group stays up for the next fit/validate/test (it is closed at exit)."""
+        """Finish the flag exchange still in flight; the process group stays up for the next fit/validate/test
+        (it is closed at exit).
+
+        Every rank started that exchange at the same boundary, so it completes (or fails at once where a peer
+        is gone). Left pending, a gloo work item holding a Python tensor can outlive the process group into
+        interpreter shutdown, a known way for a gloo process to abort as it exits.
+        """
+        pending, self._flag_work = self._flag_work, None
+        self._boundaries_to_exchange = 1  # the next run starts with an exchange, on every rank alike
+        if pending is not None:
+            with contextlib.suppress(RuntimeError):  # a peer that died: its error is reported elsewhere
+                pending[0][0].wait()
 
 
 def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:

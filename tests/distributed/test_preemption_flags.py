@@ -24,12 +24,14 @@ strategy.setup_environment()
 rank = dist.get_rank()
 exchanges = 0
 start_exchange = strategy.any_flag
+started = []
 
 
 def counting(flag, proposal=1):
     global exchanges
     exchanges += 1
-    return start_exchange(flag, proposal)
+    started.append(start_exchange(flag, proposal))
+    return started[-1]
 
 
 strategy.any_flag = counting
@@ -39,8 +41,16 @@ for boundary in range(1, 2001):
     if strategy.preemption_requested(rank == 1 and boundary >= 300):
         stopped_at = boundary
         break
+# The end of a run: the exchange started at the last boundary is finished, none stays pending, and the
+# next run begins with an exchange at its first boundary on every rank.
+strategy.teardown()
+finished = started[-1][0].is_completed()
+before = exchanges
+next_run_stops = strategy.preemption_requested(False)
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
-    json.dump({"stopped_at": stopped_at, "exchanges": exchanges}, f)
+    json.dump({"stopped_at": stopped_at, "exchanges": before, "finished": finished,
+               "next_run_exchanges": exchanges - before, "next_run_stops": next_run_stops}, f)
+strategy.teardown()
 dist.barrier()
 """
 
@@ -60,3 +70,6 @@ def test_ranks_exchange_flags_a_few_times_a_second_and_stop_at_the_same_boundary
     assert ranks[0]["exchanges"] == ranks[1]["exchanges"], ranks
     # About every 0.1 s at 2+ ms a step: far fewer exchanges than boundaries (one per boundary before).
     assert ranks[0]["exchanges"] < stopped / 4, ranks
+    for rank in ranks:  # teardown finished the exchange in flight; a new run exchanges at once
+        assert rank["finished"] is True and rank["next_run_exchanges"] == 1, ranks
+        assert rank["next_run_stops"] is False, ranks
