@@ -22,8 +22,9 @@ goals stay those of `overhead.py`; this is the measure that is reproducible.
 A run's start-up (interpreter, imports: about 10 G instructions) differs by a few million instructions
 from one run to the next; over 2048 steps that is about 0.2% of a step (over 512 steps, as this script
 once measured, it was 1%). Every run gets ``PYTHONHASHSEED=0``, which takes hash randomisation out of
-that noise. To compare two checkouts, run the copy of this script and of `overhead.py` in each: `overhead.py`
-imports the ember of the checkout it lives in, whatever ``PYTHONPATH`` says.
+that noise, and one thread per library pool (`ONE_THREAD`), which takes out threads spinning while idle.
+To compare two checkouts, run the copy of this script and of `overhead.py` in each: `overhead.py` imports
+the ember of the checkout it lives in, whatever ``PYTHONPATH`` says.
 
 Needs valgrind (``apt-get install valgrind``); without it, it says so and exits with status 2.
 """
@@ -45,6 +46,12 @@ sys.path.insert(0, str(HERE))
 from overhead import STEPS_PER_EPOCH, VARIANTS  # noqa: E402
 
 SHORT, LONG = 1, 9  # epochs of the two runs per variant
+
+#: Every run's thread pools at one thread. numpy's OpenBLAS starts a pool of threads that spin while they
+#: wait for work; cachegrind counts their spinning, which lasts as long as the scheduler lets it. Once
+#: measured: 26.4 M such instructions in a 1-epoch run, 30.0 M in a 3-epoch run of the same variant, which
+#: read as 6.9 k instructions per step that ember never executed.
+ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def instructions(valgrind_stderr: str) -> int:
@@ -69,7 +76,7 @@ def count(variant: str, epochs: int) -> int:
         "--epochs",
         str(epochs),
     ]
-    env = dict(os.environ, PYTHONHASHSEED="0")
+    env = dict(os.environ, PYTHONHASHSEED="0", **ONE_THREAD)
     done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{variant!r} under valgrind failed ({done.returncode}):\n{done.stderr[-2000:]}")

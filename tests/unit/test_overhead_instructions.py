@@ -7,6 +7,7 @@ what it computes from valgrind's numbers is checked here.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -69,3 +70,19 @@ def test_repeats_take_the_median_of_the_per_step_figures(script: ModuleType) -> 
     ]
     assert script.median_per_step(pairs) == pytest.approx(1_800_000)
     assert script.median_per_step(pairs[:1]) == pytest.approx(1_800_000)
+
+
+def test_every_run_has_fixed_hashing_and_one_thread_per_pool(
+    script: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Idle pool threads spin, and cachegrind counts the spinning: each run gets one thread per library pool."""
+    seen: dict[str, str] = {}
+
+    def fake_run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        seen.update(kwargs["env"])  # type: ignore[arg-type]
+        return subprocess.CompletedProcess(command, 0, "", SUMMARY)
+
+    monkeypatch.setattr(script.subprocess, "run", fake_run)
+    assert script.count("raw", 1) == 11_008_298_331
+    assert seen["PYTHONHASHSEED"] == "0"
+    assert all(seen[name] == "1" for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"))
