@@ -23,6 +23,7 @@ from torch import Tensor
 from ember.checkpoint import dcp_writer
 from ember.checkpoint.files import atomic_write, fsync_path, guarded_open, torch_save_to
 from ember.checkpoint.format import FORMAT_VERSION, LAST_FILE, META_FILE, CheckpointWriteError
+from ember.strategies.collectives import keep
 
 
 def underlying(exc: BaseException) -> BaseException:
@@ -246,7 +247,7 @@ def write_checkpoint(
 def _broadcast_int(value: int, group: Any) -> int:
     import torch.distributed as dist
 
-    box = torch.tensor([value], dtype=torch.int64)
+    box = keep(torch.tensor([value], dtype=torch.int64))
     dist.broadcast(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return int(box)
 
@@ -254,7 +255,7 @@ def _any_failed(failure: BaseException | None, group: Any) -> bool:
     """Whether this or any other process of `group` failed (a collective: every process must call it)."""
     import torch.distributed as dist
 
-    flag = torch.tensor([0 if failure is None else 1], dtype=torch.int64)
+    flag = keep(torch.tensor([0 if failure is None else 1], dtype=torch.int64))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag)
 

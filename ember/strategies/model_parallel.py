@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from ember.strategies.collectives import keep
 from ember.strategies.fsdp import outermost_blocks, repeated_block_classes
 from ember.strategies.parallel import ParallelStrategy
 from ember.strategies.precision import Precision
@@ -326,7 +327,7 @@ class ModelParallelStrategy(ParallelStrategy):
         if not dist.is_initialized() or self._device_mesh is None:
             return super().reduce(tensor, reduce_fx)
         dp_mesh = self._device_mesh["dp"]
-        out = tensor.clone()
+        out = keep(tensor.clone())
         dist.all_reduce(out, op=_REDUCE_OPS[reduce_fx], group=dp_mesh.get_group())
         return out / dp_mesh.size() if reduce_fx == "mean" else out
 

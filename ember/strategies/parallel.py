@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from ember.strategies.collectives import keep
 from ember.strategies.environment import ClusterEnvironment, detect
 from ember.strategies.precision import Precision
 from ember.strategies.strategy import Strategy
@@ -199,7 +200,7 @@ class ParallelStrategy(Strategy):
     def reduce(self, tensor: Tensor, reduce_fx: str = "mean") -> Tensor:
         if not dist.is_initialized():
             return tensor
-        out = tensor.clone()
+        out = keep(tensor.clone())
         dist.all_reduce(out, op=_REDUCE_OPS[reduce_fx])
         return out / self.world_size if reduce_fx == "mean" else out
 
@@ -222,8 +223,8 @@ class ParallelStrategy(Strategy):
         """
         if not dist.is_initialized() or self.world_size == 1:
             return
-        mine = torch.tensor([-1 if math.isinf(count) else int(count)], dtype=torch.int64, device=self.root_device)
-        every = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        mine = keep(torch.tensor([-1 if math.isinf(count) else int(count)], dtype=torch.int64, device=self.root_device))
+        every = [keep(torch.zeros_like(mine)) for _ in range(self.world_size)]
         dist.all_gather(every, mine)
         counts = [int(t) for t in every]
         if len(set(counts)) > 1 and -1 not in counts:
@@ -238,7 +239,7 @@ class ParallelStrategy(Strategy):
     def any_flag(self, flag: bool, proposal: int = 1) -> Any:
         """Start a non-blocking exchange of `flag` (OR over ranks) and of a proposed number of boundaries
         until the next exchange (MIN over ranks); returns ``(work, tensor)`` to read later."""
-        tensor = torch.tensor([1 if flag else 0, -proposal], dtype=torch.int64)
+        tensor = keep(torch.tensor([1 if flag else 0, -proposal], dtype=torch.int64))
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.flag_group, async_op=True)
         return work, tensor
 
