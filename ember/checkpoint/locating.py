@@ -111,15 +111,19 @@ def versions_newest_first(run_root: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def claim_version(run_root: Path) -> tuple[Path, Path]:
+def claim_version(run_root: Path, boundary: Path | None = None) -> tuple[Path, Path]:
     """Create a new ``version_N`` directory in `run_root`, N one past the highest there; returns it and the
-    deepest folder above it that existed before (what `release_if_empty` keeps).
+    deepest folder above it that existed before (what `release_if_empty` keeps), never one above `boundary`
+    (folders there may be another process's, e.g. the folder a user's script writes its own results into).
 
-    The ``mkdir`` is exclusive: when another process created the same N first, the next N is tried.
+    The ``mkdir`` is exclusive: when another process created the same N first, the next N is tried; when
+    another run released the folders above it meanwhile, they are made again.
     """
     existed = run_root
     while not existed.exists() and existed.parent != existed:
         existed = existed.parent
+    if boundary is not None and existed != boundary and boundary not in existed.parents:
+        existed = boundary  # made by this claim, above the boundary: left in place by release_if_empty
     run_root.mkdir(parents=True, exist_ok=True)
     existing = versions_newest_first(run_root)
     number = int(existing[0].name.split("_")[1]) + 1 if existing else 0
@@ -130,6 +134,8 @@ def claim_version(run_root: Path) -> tuple[Path, Path]:
             return path, existed
         except FileExistsError:
             number += 1
+        except FileNotFoundError:
+            run_root.mkdir(parents=True, exist_ok=True)
 
 
 def release_if_empty(run_dir: Path, keep: Path) -> None:

@@ -102,7 +102,8 @@ def prepare(
     if continued is not None:
         state.run_dir = continued
     elif state.run_dir is None:
-        claimed = ckpt.claim_version(root) if trainer.is_global_zero else None
+        boundary = Path(options.default_root_dir).parent
+        claimed = ckpt.claim_version(root, boundary) if trainer.is_global_zero else None
         state.run_dir = trainer.strategy.broadcast(claimed[0] if claimed is not None else None)
     for logger in trainer.loggers:
         logger.attach(trainer.run_dir)

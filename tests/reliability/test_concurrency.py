@@ -67,6 +67,54 @@ def test_threads_claiming_together_get_distinct_versions(tmp_path: Path) -> None
     assert len({p.name for p in claimed}) == 8
 
 
+def test_a_claim_survives_another_run_releasing_the_folders_above_it(tmp_path: Path, monkeypatch) -> None:
+    """Run A's release removes the empty ``<root>/<name>`` between run B's ``mkdir`` of it and B's claim."""
+    from ember.checkpoint import locating
+
+    run_root = tmp_path / "runs" / "net"
+    listed = locating.versions_newest_first
+
+    def listed_then_released(folder: Path) -> list[Path]:
+        found = listed(folder)
+        locating.release_if_empty(run_root, tmp_path)  # the other run's release, at the worst moment
+        return found
+
+    monkeypatch.setattr(locating, "versions_newest_first", listed_then_released)
+    claimed, kept = locating.claim_version(run_root)
+    assert claimed == run_root / "version_0" and claimed.is_dir() and kept == tmp_path
+
+
+def test_a_write_free_run_never_removes_folders_above_its_root_dir(tmp_path: Path) -> None:
+    """Another process may be about to write into the folder above ``default_root_dir`` (a script's own
+    results, beside the runs); a write-free run's release stops at its root dir, even when it made more."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Tiny(ember.TrainingModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4)
+    root = tmp_path / "made" / "by" / "this" / "run" / "runs"
+    trainer = ember.Trainer(max_steps=2, default_root_dir=root, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(Tiny(), data)
+    assert not root.exists(), "the write-free run left its root dir"
+    assert root.parent.is_dir(), "the folder above the root dir was removed"
+    # and with the folder above it already there, the root dir is still removed: nothing else changes
+    trainer = ember.Trainer(max_steps=2, default_root_dir=root, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(Tiny(), data)
+    assert not root.exists() and root.parent.is_dir()
+
+
 @pytest.mark.slow
 def test_two_ember_fit_commands_started_together_keep_apart(tmp_path: Path) -> None:
     config = make_project(tmp_path)
