@@ -156,7 +156,8 @@ def prepare_data(trainer: Trainer, module: TrainingModule, datamodule: DataModul
 def finish(
     trainer: Trainer, stage: stages.Stage, datamodule: DataModule | None, status: str, claimed: tuple[Path, Path] | None
 ) -> None:
-    """Undo what `start` did, close the loggers, run ``teardown``; release an unused run directory."""
+    """Undo what `start` did, close the loggers, run ``teardown``; release an unused run directory (one
+    process only: in a job, another process may still write into it, e.g. ``ember predict``'s outputs)."""
     trainer.run_state.preemption.restore()
     for logger in trainer.loggers:
         logger.finalize(status)
@@ -165,7 +166,7 @@ def finish(
         datamodule.teardown(stage.name)
     trainer.strategy.teardown()
     trainer.stage = None
-    if claimed is not None:
+    if claimed is not None and trainer.world_size == 1:
         ckpt.release_if_empty(*claimed)
     if trainer.profiler is not None:
         trainer.profiler.end(trainer)
