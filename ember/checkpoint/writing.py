@@ -247,16 +247,18 @@ def write_checkpoint(
 def _broadcast_int(value: int, group: Any) -> int:
     import torch.distributed as dist
 
-    box = keep(torch.tensor([value], dtype=torch.int64))
+    box = torch.tensor([value], dtype=torch.int64)
     dist.broadcast(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    keep(box)
     return int(box)
 
 def _any_failed(failure: BaseException | None, group: Any) -> bool:
     """Whether this or any other process of `group` failed (a collective: every process must call it)."""
     import torch.distributed as dist
 
-    flag = keep(torch.tensor([0 if failure is None else 1], dtype=torch.int64))
+    flag = torch.tensor([0 if failure is None else 1], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    keep(flag)
     return bool(flag)
 
 def _remove_abandoned_temporaries(directory: Path) -> None:

@@ -8,32 +8,36 @@ down by then (the collective was one of the last things a process did), the work
 the GIL, and the process aborts: ``terminate called without an active exception``, SIGABRT, seen about
 once in 40-80 two-process runs on 2 busy cores.
 
-Every tensor ember passes to a collective goes through `keep`; at exit, `let_workers_finish` waits
+Every tensor ember passes to a collective goes through `keep` once the collective is issued (from then on
+the collective's work holds it until a worker lets go); at exit, `let_workers_finish` waits
 (releasing the GIL) until no worker holds any of them, so the last reference is Python's own and the
-tensor is freed by the main thread.
+tensor is freed by the main thread. `keep` forgets the tensors that nothing else holds any more each time
+it is called, so what it holds is only what collectives still in flight use: no memory (host or device)
+is kept alive past its collective, however large the tensor.
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
 import time
 
 from torch import Tensor
 
-#: The tensors of this process's most recent collectives (older ones were long released by the workers).
-_RECENT: collections.deque[Tensor] = collections.deque(maxlen=64)
+#: Tensors handed to collectives that something besides their Python object may still hold.
+_KEPT: list[Tensor] = []
 
 
-def keep(tensor: Tensor) -> Tensor:
-    """`tensor`, remembered until exit as one a collective uses."""
-    _RECENT.append(tensor)
-    return tensor
+def keep(*tensors: Tensor) -> None:
+    """Remember `tensors`, handed to a collective already issued, until nothing but their Python objects
+    hold them. Call it after the collective call returns: a tensor that nothing else holds by then was
+    released for good, and `keep` forgets it at its next call (a worker never takes a reference again)."""
+    _KEPT[:] = [kept for kept in _KEPT if _use_count(kept) > 1]
+    _KEPT.extend(tensors)
 
 
 def held_by_workers() -> int:
-    """How many of the remembered tensors something besides this module's reference still holds."""
-    return sum(1 for tensor in _RECENT if _use_count(tensor) > 1)
+    """How many of the remembered tensors something besides their Python object still holds."""
+    return sum(1 for tensor in _KEPT if _use_count(tensor) > 1)
 
 
 def _use_count(tensor: Tensor) -> int:

@@ -327,8 +327,9 @@ class ModelParallelStrategy(ParallelStrategy):
         if not dist.is_initialized() or self._device_mesh is None:
             return super().reduce(tensor, reduce_fx)
         dp_mesh = self._device_mesh["dp"]
-        out = keep(tensor.clone())
+        out = tensor.clone()
         dist.all_reduce(out, op=_REDUCE_OPS[reduce_fx], group=dp_mesh.get_group())
+        keep(out)
         return out / dp_mesh.size() if reduce_fx == "mean" else out
 
 

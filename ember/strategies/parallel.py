@@ -200,8 +200,9 @@ class ParallelStrategy(Strategy):
     def reduce(self, tensor: Tensor, reduce_fx: str = "mean") -> Tensor:
         if not dist.is_initialized():
             return tensor
-        out = keep(tensor.clone())
+        out = tensor.clone()
         dist.all_reduce(out, op=_REDUCE_OPS[reduce_fx])
+        keep(out)
         return out / self.world_size if reduce_fx == "mean" else out
 
     def barrier(self) -> None:
@@ -223,9 +224,10 @@ class ParallelStrategy(Strategy):
         """
         if not dist.is_initialized() or self.world_size == 1:
             return
-        mine = keep(torch.tensor([-1 if math.isinf(count) else int(count)], dtype=torch.int64, device=self.root_device))
-        every = [keep(torch.zeros_like(mine)) for _ in range(self.world_size)]
+        mine = torch.tensor([-1 if math.isinf(count) else int(count)], dtype=torch.int64, device=self.root_device)
+        every = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(every, mine)
+        keep(mine, *every)
         counts = [int(t) for t in every]
         if len(set(counts)) > 1 and -1 not in counts:
             shown = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(counts))
@@ -239,8 +241,9 @@ class ParallelStrategy(Strategy):
     def any_flag(self, flag: bool, proposal: int = 1) -> Any:
         """Start a non-blocking exchange of `flag` (OR over ranks) and of a proposed number of boundaries
         until the next exchange (MIN over ranks); returns ``(work, tensor)`` to read later."""
-        tensor = keep(torch.tensor([1 if flag else 0, -proposal], dtype=torch.int64))
+        tensor = torch.tensor([1 if flag else 0, -proposal], dtype=torch.int64)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.flag_group, async_op=True)
+        keep(tensor)
         return work, tensor
 
     def preemption_requested(self, local: bool) -> bool:
