@@ -86,3 +86,35 @@ def test_every_run_has_fixed_hashing_and_one_thread_per_pool(
     assert script.count("raw", 1) == 11_008_298_331
     assert seen["PYTHONHASHSEED"] == "0"
     assert all(seen[name] == "1" for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"))
+
+
+def test_jemalloc_runs_get_it_preloaded_without_time_based_purging(
+    script: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    library = tmp_path / "libjemalloc.so.2"
+    library.write_bytes(b"")
+    monkeypatch.setattr(script, "JEMALLOC_PATHS", (str(tmp_path / "absent.so"), str(library)))
+    assert script.allocator_env("glibc") == {}
+    env = script.allocator_env("jemalloc")
+    assert env == {"LD_PRELOAD": str(library), "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
+    seen: dict[str, str] = {}
+
+    def fake_run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        seen.update(kwargs["env"])  # type: ignore[arg-type]
+        return subprocess.CompletedProcess(command, 0, "", SUMMARY)
+
+    monkeypatch.setattr(script.subprocess, "run", fake_run)
+    script.count("raw", 1, env)
+    assert seen["LD_PRELOAD"] == str(library) and seen["PYTHONHASHSEED"] == "0"
+
+
+def test_a_missing_jemalloc_is_one_line_saying_how_to_install_it(
+    script: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setattr(script, "JEMALLOC_PATHS", (str(tmp_path / "absent.so"),))
+    with pytest.raises(FileNotFoundError, match="apt-get install libjemalloc2"):
+        script.allocator_env("jemalloc")
+    monkeypatch.setattr(sys, "argv", ["overhead_instructions.py", "--allocator", "jemalloc"])
+    assert script.main() == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "jemalloc is not installed" in err
