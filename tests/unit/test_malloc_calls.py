@@ -54,6 +54,7 @@ def test_without_a_compiler_it_says_so(
     assert "no C compiler" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc) to build the counting library")
 def test_the_loop_allocates_nothing_per_step_beyond_a_raw_loop(script: ModuleType) -> None:
     calls = {variant: sum(per_class.values()) for variant, per_class in script.measure(
