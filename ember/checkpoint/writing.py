@@ -248,8 +248,8 @@ def _broadcast_int(value: int, group: Any) -> int:
     import torch.distributed as dist
 
     box = torch.tensor([value], dtype=torch.int64)
-    dist.broadcast(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     keep(box)
+    dist.broadcast(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return int(box)
 
 def _any_failed(failure: BaseException | None, group: Any) -> bool:
@@ -257,8 +257,8 @@ def _any_failed(failure: BaseException | None, group: Any) -> bool:
     import torch.distributed as dist
 
     flag = torch.tensor([0 if failure is None else 1], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     keep(flag)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag)
 
 def _remove_abandoned_temporaries(directory: Path) -> None:

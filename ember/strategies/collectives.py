@@ -1,43 +1,78 @@
-"""Tensors that ember hands to gloo collectives, kept until gloo's worker threads have let go of them.
+"""Tensors that ember hands to gloo collectives, held so that gloo's worker threads never need the GIL.
 
 A gloo collective runs on one of the process group's worker threads, which holds a reference to its
 tensors until just after the work completes: a ``wait()`` can return before that reference is dropped.
-When the Python code that created a tensor has already dropped its own reference, the worker's drop is
-the last one, and freeing a tensor that Python created needs the GIL. If the interpreter is shutting
-down by then (the collective was one of the last things a process did), the worker thread cannot take
-the GIL, and the process aborts: ``terminate called without an active exception``, SIGABRT, seen about
-once in 40-80 two-process runs on 2 busy cores.
+A tensor that Python created has a Python object, and while anything besides that object holds the
+tensor, the tensor holds its Python object in turn; the drop that leaves the Python object as the only
+holder releases that hold, which takes the GIL. When a worker thread makes that drop while the
+interpreter shuts down, it cannot take the GIL and the process aborts: ``terminate called without an
+active exception``, SIGABRT. The drop and the GIL are two steps, so a count of the tensor's holders can
+already say "released" while the worker still waits for the GIL (a two-process full-disk run aborted
+this way, about once in 60 runs on 2 busy cores).
 
-Every tensor ember passes to a collective goes through `keep` once the collective is issued (from then on
-the collective's work holds it until a worker lets go); at exit, `let_workers_finish` waits
-(releasing the GIL) until no worker holds any of them, so the last reference is Python's own and the
-tensor is freed by the main thread. `keep` forgets the tensors that nothing else holds any more each time
-it is called, so what it holds is only what collectives still in flight use: no memory (host or device)
-is kept alive past its collective, however large the tensor.
+So every tensor ember passes to a collective goes through `keep` before the collective is issued: it
+adds a holder of its own (a C++ one, not a Python reference), and drops it only once the worker has let
+go. The worker's drop is then never the one that leaves the Python object alone, and never takes the
+GIL, whenever it happens. At exit, `let_workers_finish` still waits (releasing the GIL, at most a second)
+until the workers have let go, so the holders can be dropped normally; a collective that has not finished
+by then keeps its holders for good (the process is ending).
+
+Collectives that torch issues itself (the object collectives inside torch.distributed.checkpoint) create
+their own tensors, which this cannot reach.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
+import threading
 import time
+from typing import Any
 
+import torch
 from torch import Tensor
 
-#: Tensors handed to collectives that something besides their Python object may still hold.
-_KEPT: list[Tensor] = []
+
+class _Kept:
+    """A tensor, a C++ holder of it, how many holders it had before, and the thread issuing its collective."""
+
+    __slots__ = ("holder", "others", "tensor", "thread")
+
+    def __init__(self, tensor: Tensor, thread: threading.Thread) -> None:
+        self.tensor = tensor
+        self.others = _use_count(tensor)
+        self.holder: Any = torch._C.ScriptList([tensor])  # a list of C++ tensor references (not Python ones)
+        self.thread = thread
+
+    def held_by_workers(self) -> bool:
+        return _use_count(self.tensor) > self.others + 1
+
+    def releasable(self, current: threading.Thread) -> bool:
+        """Whether its collective was issued (its thread has moved on to another `keep`, or ended) and no
+        worker holds the tensor any more."""
+        return (self.thread is current or not self.thread.is_alive()) and not self.held_by_workers()
+
+
+#: Tensors handed to collectives, until no worker holds them.
+_KEPT: list[_Kept] = []
+_LOCK = threading.Lock()  # the writer thread's collectives keep their tensors too
 
 
 def keep(*tensors: Tensor) -> None:
-    """Remember `tensors`, handed to a collective already issued, until nothing but their Python objects
-    hold them. Call it after the collective call returns: a tensor that nothing else holds by then was
-    released for good, and `keep` forgets it at its next call (a worker never takes a reference again)."""
-    _KEPT[:] = [kept for kept in _KEPT if _use_count(kept) > 1]
-    _KEPT.extend(tensors)
+    """Hold `tensors`, about to be handed to a collective, until the collective's work lets go of them.
+    Call it before the collective is issued, on the thread that issues it. The tensors of this thread's
+    earlier collectives (and of ended threads') that no worker holds any more are released here: what is
+    held is only what collectives in flight use."""
+    current = threading.current_thread()
+    fresh = [_Kept(tensor, current) for tensor in tensors]
+    with _LOCK:
+        _KEPT[:] = [kept for kept in _KEPT if not kept.releasable(current)] + fresh
 
 
 def held_by_workers() -> int:
-    """How many of the remembered tensors something besides their Python object still holds."""
-    return sum(1 for tensor in _KEPT if _use_count(tensor) > 1)
+    """How many of the kept tensors something besides their holders at `keep` (a worker) still holds."""
+    with _LOCK:
+        return sum(1 for kept in _KEPT if kept.held_by_workers())
 
 
 def _use_count(tensor: Tensor) -> int:
@@ -47,13 +82,18 @@ def _use_count(tensor: Tensor) -> int:
 
 
 def let_workers_finish(timeout_s: float = 1.0) -> bool:
-    """Wait, with the GIL released, until no worker thread holds a remembered tensor (at most `timeout_s`);
-    whether they all let go. A tensor the caller still holds counts as held until the timeout."""
+    """Wait, with the GIL released, until no worker thread holds a kept tensor (at most `timeout_s`); whether
+    they all let go. Then the holders are dropped; on a timeout they are kept for the rest of the process,
+    so that a worker finishing during interpreter shutdown still never takes the GIL."""
     deadline = time.monotonic() + timeout_s
     while held_by_workers():
         if time.monotonic() >= deadline:
+            with _LOCK:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(list(_KEPT)))  # never freed: the process is ending
             return False
         time.sleep(0.001)
+    with _LOCK:
+        _KEPT.clear()
     return True
 
 

@@ -328,8 +328,8 @@ class ModelParallelStrategy(ParallelStrategy):
             return super().reduce(tensor, reduce_fx)
         dp_mesh = self._device_mesh["dp"]
         out = tensor.clone()
-        dist.all_reduce(out, op=_REDUCE_OPS[reduce_fx], group=dp_mesh.get_group())
         keep(out)
+        dist.all_reduce(out, op=_REDUCE_OPS[reduce_fx], group=dp_mesh.get_group())
         return out / dp_mesh.size() if reduce_fx == "mean" else out
 
 

@@ -201,8 +201,8 @@ class ParallelStrategy(Strategy):
         if not dist.is_initialized():
             return tensor
         out = tensor.clone()
-        dist.all_reduce(out, op=_REDUCE_OPS[reduce_fx])
         keep(out)
+        dist.all_reduce(out, op=_REDUCE_OPS[reduce_fx])
         return out / self.world_size if reduce_fx == "mean" else out
 
     def barrier(self) -> None:
@@ -226,8 +226,8 @@ class ParallelStrategy(Strategy):
             return
         mine = torch.tensor([-1 if math.isinf(count) else int(count)], dtype=torch.int64, device=self.root_device)
         every = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(every, mine)
         keep(mine, *every)
+        dist.all_gather(every, mine)
         counts = [int(t) for t in every]
         if len(set(counts)) > 1 and -1 not in counts:
             shown = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(counts))
@@ -242,8 +242,8 @@ class ParallelStrategy(Strategy):
         """Start a non-blocking exchange of `flag` (OR over ranks) and of a proposed number of boundaries
         until the next exchange (MIN over ranks); returns ``(work, tensor)`` to read later."""
         tensor = torch.tensor([1 if flag else 0, -proposal], dtype=torch.int64)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.flag_group, async_op=True)
         keep(tensor)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.flag_group, async_op=True)
         return work, tensor
 
     def preemption_requested(self, local: bool) -> bool:

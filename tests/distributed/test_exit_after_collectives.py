@@ -1,13 +1,14 @@
 """A process whose last collective finishes while it exits does not abort (ember/strategies/collectives.py).
 
 gloo's worker thread drops its reference to a collective's tensors just after the work completes; when that
-drop is the last one and the interpreter is already shutting down, the thread cannot take the GIL to free
-the tensor and the process aborts ("terminate called without an active exception"). The script makes that
-timing certain instead of rare: rank 1 leaves a collective in flight and exits; rank 0 joins it 0.1 s later,
-while rank 1 runs an exit handler that keeps the GIL for half a second (registered before ember is imported,
-so it runs after ember's own handlers) and then shuts down. Without `collectives.keep` (the tensor handed
-to the workers is remembered, and the exit waits until they let go of it) this aborted rank 1 in 4 of 4
-runs of the flag exchange; with it, 0 of 4.
+drop leaves the tensor's Python object as its only holder, it takes the GIL, and when the interpreter is
+already shutting down the process aborts ("terminate called without an active exception"). The script makes
+that timing certain instead of rare: rank 1 leaves a collective in flight and exits; rank 0 joins it 0.1 s
+later, while rank 1 runs an exit handler that keeps the GIL for half a second (registered before ember is
+imported, so it runs after ember's own handlers) and then shuts down. Without `collectives.keep` this
+aborted rank 1 in 4 of 4 runs of the flag exchange. With the exit's wait switched off as well, only keep's
+own holder (taken before the collective is issued) stands between the worker and the GIL: keeping the
+tensor after issuing it, and counting on the wait, aborted that case.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 out = Path(sys.argv[1])
 collective = sys.argv[2]
+exit_waits = sys.argv[3] == "wait"
 rank = int(os.environ["RANK"])
 
 
@@ -43,7 +45,11 @@ if rank == 1:
 
 import torch
 
+from ember.strategies import collectives
 from ember.strategies.ddp import DDPStrategy
+
+if not exit_waits:
+    atexit.unregister(collectives.let_workers_finish)
 
 strategy = DDPStrategy(timeout_s=30)
 strategy.devices = 2
@@ -66,8 +72,11 @@ if rank == 1:
 """
 
 
+@pytest.mark.parametrize("exit_waits", ["wait", "no wait"])
 @pytest.mark.parametrize("collective", ["flag exchange", "reduce"])
-def test_a_collective_that_completes_while_the_process_exits_does_not_abort_it(tmp_path, collective: str) -> None:
+def test_a_collective_that_completes_while_the_process_exits_does_not_abort_it(
+    tmp_path, collective: str, exit_waits: str
+) -> None:
     script = harness.write_script(tmp_path, SCRIPT)
     out = tmp_path / "out"
     out.mkdir()
@@ -78,7 +87,7 @@ def test_a_collective_that_completes_while_the_process_exits_does_not_abort_it(t
             {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": "2",
              "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
         )  # fmt: skip
-        jobs.append(harness.Job([sys.executable, str(script), str(out), collective], tmp_path, env))
+        jobs.append(harness.Job([sys.executable, str(script), str(out), collective, exit_waits], tmp_path, env))
     for rank, job in enumerate(jobs):
         finished = job.wait(timeout=120)
         assert "terminate called" not in finished.output, f"rank {rank}: {harness.describe(finished)}"

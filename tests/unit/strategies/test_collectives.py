@@ -1,8 +1,11 @@
-"""`ember.strategies.collectives`: tensors handed to collectives are kept until nothing else holds them,
-and the exit waits (bounded) for that."""
+"""`ember.strategies.collectives`: a tensor handed to a collective has a holder of ember's until the
+collective's worker lets go of it, so the worker's drop never leaves the tensor's Python object as its only
+holder (the drop that takes the GIL); the exit waits (bounded) for the workers."""
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 
 import pytest
@@ -16,43 +19,107 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(collectives, "_KEPT", [])
 
 
-def test_a_kept_tensor_is_held_while_another_reference_to_its_cpp_object_lives() -> None:
+def test_a_kept_tensor_is_held_while_a_worker_holds_it_and_released_after() -> None:
     tensor = torch.zeros(3)
-    view = tensor.view(3)  # a second reference to the tensor's C++ object, as an in-flight worker's would be
     collectives.keep(tensor)
+    assert tensor._use_count() == 2  # its Python object's reference and ember's holder
+    worker = tensor.view(3)  # a second C++ reference, as an in-flight worker's would be
     assert collectives.held_by_workers() == 1
-    start = time.monotonic()
-    assert collectives.let_workers_finish(timeout_s=0.05) is False
-    assert time.monotonic() - start >= 0.05
-    del view
+    del worker
+    assert tensor._use_count() == 2  # the worker's drop did not leave the Python object alone
     assert collectives.held_by_workers() == 0 and collectives.let_workers_finish() is True
+    assert tensor._use_count() == 1 and collectives._KEPT == []
 
 
-def test_only_tensors_something_else_still_holds_are_kept_whatever_their_number_or_size() -> None:
+def test_only_tensors_of_collectives_in_flight_are_held_whatever_their_number_or_size() -> None:
     in_flight = []
     for i in range(100):
         tensor = torch.full((1,), float(i))
-        if i % 10 == 0:
-            in_flight.append(tensor.view(1))  # a worker's reference, taken when the collective was issued
         collectives.keep(tensor)
-    # kept: the ten still held elsewhere and the latest one; the 89 released ones were forgotten
-    assert [float(t) for t in collectives._KEPT] == [float(i) for i in range(0, 100, 10)] + [99.0]
+        if i % 10 == 0:
+            in_flight.append(tensor.view(1))  # a worker's reference, taken when the collective is issued
+    # held: the ten still in flight and the latest one; the 89 finished ones were released
+    assert [float(k.tensor) for k in collectives._KEPT] == [float(i) for i in range(0, 100, 10)] + [99.0]
     in_flight.clear()
     big = torch.zeros(1 << 20)
     collectives.keep(big)
-    assert len(collectives._KEPT) == 1 and collectives._KEPT[0] is big  # the released ones went at this call
-    del big
+    assert len(collectives._KEPT) == 1 and collectives._KEPT[0].tensor is big  # the finished ones went here
     collectives.keep(torch.zeros(1))
-    assert [t.numel() for t in collectives._KEPT] == [1]  # no memory outlives its collective
+    assert [k.tensor.numel() for k in collectives._KEPT] == [1]  # no memory outlives its collective
+    assert big._use_count() == 1
 
 
-def test_a_released_tensor_of_a_finished_collective_lets_the_exit_go_at_once() -> None:
+def test_other_holders_before_the_collective_are_not_taken_for_a_worker() -> None:
+    tensor = torch.zeros(2)
+    earlier = tensor.view(2)  # e.g. the caller keeps a view: present before the collective and after it
+    collectives.keep(tensor)
+    assert collectives.held_by_workers() == 0
+    assert earlier._base is tensor
+
+
+def test_a_real_gloo_collective_never_leaves_the_python_object_as_the_only_holder() -> None:
     import torch.distributed as dist
 
-    store = dist.HashStore()
-    group = dist.ProcessGroupGloo(store, 0, 1)
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
     tensor = torch.ones(4)
-    group.allreduce([tensor]).wait()
     collectives.keep(tensor)
-    assert collectives.let_workers_finish(timeout_s=5.0) is True
-    assert torch.equal(tensor, torch.ones(4))
+    group.allreduce([tensor]).wait()
+    assert collectives.let_workers_finish(timeout_s=5.0) is True  # the worker let go: the count came back to
+    assert tensor._use_count() == 1 and torch.equal(tensor, torch.ones(4))  # 2 (ours), then ours dropped here
+
+
+def test_an_exit_that_times_out_keeps_the_holders_for_the_rest_of_the_process() -> None:
+    tensor = torch.zeros(1)
+    collectives.keep(tensor)
+    worker = tensor.view(1)
+    start = time.monotonic()
+    assert collectives.let_workers_finish(timeout_s=0.05) is False
+    assert time.monotonic() - start >= 0.05
+    del worker  # the worker finishes during interpreter shutdown: ember's holder is still there
+    assert tensor._use_count() == 2
+
+
+def test_keep_loses_no_tensor_when_two_threads_call_it_at_once() -> None:
+    """An async checkpoint write keeps its tensors from the writer thread while the loop keeps its own."""
+    workers: list[torch.Tensor] = []
+    per_thread = 2000
+
+    def keep_many() -> None:
+        for _ in range(per_thread):
+            tensor = torch.zeros(1)
+            collectives.keep(tensor)
+            workers.append(tensor.view(1))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: interleavings become likely
+    try:
+        threads = [threading.Thread(target=keep_many) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(collectives._KEPT) == 2 * per_thread == collectives.held_by_workers()
+
+
+def test_a_tensor_another_thread_kept_is_not_released_before_that_thread_issues_its_collective() -> None:
+    kept, issue = threading.Event(), threading.Event()
+    tensor = torch.zeros(1)
+
+    def writer() -> None:  # e.g. the checkpoint writer thread, between keep() and the collective
+        collectives.keep(tensor)
+        kept.set()
+        issue.wait(5)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        assert kept.wait(5)
+        collectives.keep(torch.zeros(1))  # no worker holds `tensor` yet: it must stay held all the same
+        assert collectives._KEPT[0].tensor is tensor and tensor._use_count() == 2
+    finally:
+        issue.set()
+        thread.join()
+    collectives.keep(torch.zeros(1))  # its thread ended (its collective was issued and finished): released
+    assert all(k.tensor is not tensor for k in collectives._KEPT) and tensor._use_count() == 1
