@@ -274,21 +274,29 @@ class ParallelStrategy(Strategy):
         self._last_exchange = now
         self._boundaries_to_exchange = interval
         self._flag_work = (self.any_flag(local, proposal), interval)
+        if torch.autograd._profiler_enabled():  # a profiler must not stop while the exchange is in flight
+            self._flag_work[0][0].wait()
         return stop
 
-    def teardown(self) -> None:
-        """Finish the flag exchange still in flight; the process group stays up for the next fit/validate/test
-        (it is closed at exit).
+    def settle(self) -> None:
+        """Finish the flag exchange still in flight (the training epochs are over).
 
         Every rank started that exchange at the same boundary, so it completes (or fails at once where a peer
-        is gone). Left pending, a gloo work item holding a Python tensor can outlive the process group into
-        interpreter shutdown, a known way for a gloo process to abort as it exits.
+        is gone). Left pending, it is in flight while ``on_train_end`` runs: a torch profiler stopped there
+        (the batch-size finder's memory recorder) while gloo's worker still recorded the collective crashed
+        the process now and then (SIGSEGV freeing the profiler's records) or hung it; and a gloo work item
+        holding a Python tensor must not outlive the run into interpreter shutdown.
         """
         pending, self._flag_work = self._flag_work, None
-        self._boundaries_to_exchange = 1  # the next run starts with an exchange, on every rank alike
         if pending is not None:
             with contextlib.suppress(RuntimeError):  # a peer that died: its error is reported elsewhere
                 pending[0][0].wait()
+
+    def teardown(self) -> None:
+        """Finish the flag exchange still in flight (`settle`); the process group stays up for the next
+        fit/validate/test (it is closed at exit), whose first boundary starts an exchange on every rank."""
+        self.settle()
+        self._boundaries_to_exchange = 1
 
 
 def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:

@@ -247,5 +247,8 @@ class Strategy:
     def check_same_batch_count(self, count: float) -> None:
         """Several processes must train on the same number of batches per epoch; one process always does."""
 
+    def settle(self) -> None:
+        """Finish the collectives still in flight at the end of the training epochs (before ``on_train_end``)."""
+
     def teardown(self) -> None:
         pass

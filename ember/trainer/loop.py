@@ -182,6 +182,7 @@ class FitLoop:
                 self.run_epoch()
         finally:
             self.running = False
+        trainer.strategy.settle()  # nothing in flight while on_train_end runs (a profiler may stop there)
         hooks.on_train_end()
         hooks.on_fit_end()
 
