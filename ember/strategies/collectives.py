@@ -17,8 +17,9 @@ GIL, whenever it happens. At exit, `let_workers_finish` still waits (releasing t
 until the workers have let go, so the holders can be dropped normally; a collective that has not finished
 by then keeps its holders for good (the process is ending).
 
-Collectives that torch issues itself (the object collectives inside torch.distributed.checkpoint) create
-their own tensors, which this cannot reach.
+Collectives that torch issues itself (the object collectives inside torch.distributed.checkpoint, and
+``broadcast_object_list`` under `ParallelStrategy.broadcast`) create their own tensors, which this cannot
+reach.
 """
 
 from __future__ import annotations
