@@ -13,8 +13,8 @@ Measured, each figure the slowest process's:
   exchanges (waits for the previous exchange, starts the next), how often that happens, and the share of
   the loop's time all checks took;
 - checkpoints of an FSDP-sharded model (AdamW state included): a sync ``trainer.save_checkpoint``, the
-  snapshot copy an async save stalls the loop for (`ember.trainer.state.gather` with ``copy=True``), and a
-  resume's read (`ember.trainer.state.load`: every process reads the whole tensors); the bytes per process.
+  snapshot copy an async save stalls the loop for (`ember.checkpoint.registry.gather` with ``copy=True``), and a
+  resume's read (`ember.checkpoint.registry.load`: every process reads the whole tensors); the bytes per process.
 
 Goal: the flag checks take <= 1% of a loop of 1 ms steps.
 """
@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ember
 from ember.strategies import FSDPStrategy
-from ember.trainer import state
+from ember.checkpoint import registry as state
 
 GOAL_SHARE = 0.01
 

@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ember
 from ember import checkpoint as ckpt
-from ember.trainer import state
+from ember.checkpoint import registry as state
 
 
 class Model(ember.TrainingModule):

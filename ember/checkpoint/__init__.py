@@ -9,10 +9,15 @@ The package, by concern (docs/architecture.md):
 - `reading`: metadata, ``ember.pt``, tensors, loading weights with errors that say what differs;
 - `locating`: run directories (claimed atomically), ``last``, ``best``, what a ``ckpt_path`` names;
 - `dcp_writer`, `dcp_metadata`: torch.distributed.checkpoint's files, written fast for one process and
-  read through a restricted unpickler.
+  read through a restricted unpickler;
+- `registry`: what goes *into* a checkpoint (the named `Stateful` objects), gathered and restored;
+- `manager`: the trainer's `CheckpointManager`: which checkpoint a ``ckpt_path`` names, writes at step
+  boundaries (sync or in the background), restoring;
+- `resume`, `data_position`: random streams and the exact data position across a resume.
 
-What goes *into* a checkpoint (the registry of stateful objects) is the trainer's: `ember.trainer.state`;
-when to save is `ember.callbacks.ModelCheckpoint`'s.
+When to save and what to keep is `ember.callbacks.ModelCheckpoint`'s; the manager decides how.
+`registry`, `manager`, `resume` and `data_position` are imported where they are used (not here), so
+reading a checkpoint's files never loads them.
 """
 
 from ember.checkpoint.format import (

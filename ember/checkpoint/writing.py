@@ -146,7 +146,7 @@ class StagedCheckpoint:
     `finish` fsyncs them, renames the directory into place and points ``last``
     at it. It is mostly waiting on the disk, with the GIL released, so the
     trainer runs it on a background thread while training goes on (see
-    `ember.trainer.checkpointing.CheckpointWriter`); until it returns the
+    `ember.checkpoint.manager.CheckpointManager`); until it returns the
     checkpoint does not exist under its name, and a crash leaves only the
     temporary directory, which a later write removes.
     """

@@ -113,8 +113,8 @@ class MetricCollector:
     """Holds the values logged with `self.log` for the stage that is running.
 
     The loops tell it which stage runs (`start_epoch`), which batch is current
-    (by setting `current_batch`, for batch-size inference) and which dataloader
-    (`suffix`); `TrainingModule.log` calls `log`.
+    (`see`, for batch-size inference) and which dataloader (`set_suffix`);
+    `TrainingModule.log` calls `log`.
     """
 
     reduce: ReduceFn = field(default=lambda t, _fx: t)
@@ -128,6 +128,14 @@ class MetricCollector:
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _batch_size: int = 1
     _sized_batch: Any = None
+
+    def see(self, batch: Any) -> None:
+        """`batch` is the current one (its size weighs the epoch means of values logged without ``batch_size``)."""
+        self.current_batch = batch
+
+    def set_suffix(self, suffix: str) -> None:
+        """Append `suffix` (``"/dataloader_idx_N"`` with several eval dataloaders) to the names logged from now on."""
+        self.suffix = suffix
 
     def start_epoch(self, stage: str) -> None:
         """Forget everything logged so far and start collecting for `stage`."""

@@ -5,7 +5,7 @@ for GANs, and gradient clipping."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
@@ -14,40 +14,47 @@ if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
     from ember.modules.optimizers import ManualOptimizer
+    from ember.trainer.optimization import ManualSteps
     from ember.trainer.trainer import Trainer
 
 
 class ManualOptimization(nn.Module):
-    """The manual-optimization calls of `TrainingModule` (its base class; the Trainer fills the fields)."""
+    """The manual-optimization calls of `TrainingModule` (its base class): they go through the running fit's
+    steps (``trainer.fit_loop.manual``), so hooks, precision and step counting are the trainer's."""
 
-    _manual_optimizers: list[ManualOptimizer]
-    _manual_schedulers: list[Any]
-    _manual_backward_fn: Callable[[Tensor], None] | None
+    _trainer: Trainer | None
 
     if TYPE_CHECKING:
 
         @property
         def trainer(self) -> Trainer: ...
 
+    def _manual_steps(self) -> ManualSteps | None:
+        loop = self._trainer.fit_loop if self._trainer is not None else None
+        return loop.manual if loop is not None else None
+
     def optimizers(self) -> ManualOptimizer | list[ManualOptimizer]:
         """The optimizers from `configure_optimizers` (one, or a list), for manual optimization."""
-        opts = self._manual_optimizers
-        if not opts:
+        steps = self._manual_steps()
+        if steps is None or not steps.optimizers:
             raise RuntimeError("optimizers() is available inside fit, after configure_optimizers ran")
+        opts = steps.optimizers
         return opts[0] if len(opts) == 1 else list(opts)
 
     def lr_schedulers(self) -> LRScheduler | ReduceLROnPlateau | list[LRScheduler | ReduceLROnPlateau] | None:
         """The schedulers from `configure_optimizers` (None, one or a list); step them yourself."""
-        scheds = self._manual_schedulers
+        steps = self._manual_steps()
+        scheds = steps.schedulers if steps is not None else []
         if not scheds:
             return None
         return scheds[0] if len(scheds) == 1 else list(scheds)
 
     def manual_backward(self, loss: Tensor) -> None:
         """Backward through the trainer (hooks, precision scaling); use instead of ``loss.backward()``."""
-        if self._manual_backward_fn is None:
+        steps = self._manual_steps()
+        if steps is None:
             raise RuntimeError("manual_backward() is available inside fit only")
-        self._manual_backward_fn(loss)
+        steps.backward(loss)
 
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Train only `optimizer`'s parameters until `untoggle_optimizer` (Lightning's call, for GANs).

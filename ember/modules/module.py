@@ -30,9 +30,7 @@ from ember.modules.hparams import AttributeDict, collect_init_args
 from ember.modules.manual import ManualOptimization
 
 if TYPE_CHECKING:
-    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-    from ember.modules.optimizers import ManualOptimizer
     from ember.trainer.trainer import Trainer
 
 
@@ -52,10 +50,6 @@ class TrainingModule(DataHooks, ManualOptimization):
         self._trainer: Trainer | None = None
         self._hparams = AttributeDict()
         self._warned_no_trainer = False
-        # Filled by the trainer in fit for manual optimization.
-        self._manual_optimizers: list[ManualOptimizer] = []
-        self._manual_schedulers: list[LRScheduler | ReduceLROnPlateau] = []
-        self._manual_backward_fn: Callable[[Tensor], None] | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         # `self.metrics = {"acc": Accuracy(...)}` becomes a ModuleDict so the
@@ -74,6 +68,16 @@ class TrainingModule(DataHooks, ManualOptimization):
                 "pass it to trainer.fit/validate/test/predict first."
             )
         return self._trainer
+
+    @trainer.setter
+    def trainer(self, trainer: Trainer | None) -> None:
+        """Attach the module to `trainer` (each run does; None detaches it), as Lightning's ``module.trainer``."""
+        self._trainer = trainer
+
+    @property
+    def has_trainer(self) -> bool:
+        """Whether a `Trainer` has run (or runs) this module."""
+        return self._trainer is not None
 
     @property
     def device(self) -> torch.device:

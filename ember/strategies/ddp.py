@@ -59,6 +59,11 @@ class DDPStrategy(ParallelStrategy):
         self._ddp = DistributedDataParallel(_TrainingStep(module), device_ids=device_ids, **self.ddp_options)
         return self._ddp
 
+    def release_model(self) -> None:
+        """Drop the DDP wrapper: its gradient hooks on the parameters must be gone before the module is wrapped
+        again (two reducers would fire)."""
+        self._ddp = None
+
     def training_step(self, module: nn.Module, batch: Any, batch_idx: int) -> Any:
         assert self._ddp is not None, "setup_module runs first"
         return self._ddp(batch, batch_idx)

@@ -92,6 +92,21 @@ class ParallelStrategy(Strategy):
         self._boundaries_to_exchange = 1
         self._last_exchange = 0.0
 
+    def configure(  # type: ignore[override]
+        self,
+        precision: Precision,
+        *,
+        devices: int = 1,
+        num_nodes: int = 1,
+        accelerator: str = "auto",
+        use_distributed_sampler: bool = True,
+    ) -> None:
+        """Take the Trainer's precision plugin and topology (``devices`` per node, ``num_nodes``,
+        ``accelerator``, ``use_distributed_sampler``)."""
+        super().configure(precision)
+        self.devices, self.num_nodes, self.accelerator = devices, num_nodes, accelerator
+        self.use_distributed_sampler = use_distributed_sampler
+
     # --- topology -----------------------------------------------------------
     @property
     def world_size(self) -> int:
@@ -192,7 +207,7 @@ class ParallelStrategy(Strategy):
             sampler = EvalDistributedSampler(len(dataset), **shard)  # type: ignore[arg-type]
         distributed = rebuilt_loader(loader, sampler=sampler)
         # The sampler it replaces: a checkpoint written by one process replays its order to continue an
-        # interrupted epoch on several (ember.trainer.data_position).
+        # interrupted epoch on several (ember.checkpoint.data_position).
         distributed.ember_source_sampler = loader.sampler
         return distributed
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -40,23 +41,34 @@ def configure_model_once(module: nn.Module) -> None:
     """Call ``module.configure_model()`` (the form without a device mesh) the first time the module is set up."""
     from ember.strategies.model_parallel import hook_takes_mesh
 
-    if hook_takes_mesh(module) is False and not module.__dict__.get("_ember_model_configured", False):
+    if hook_takes_mesh(module) is False and module not in _CONFIGURED:
         module.configure_model()  # type: ignore[operator]
-        module.__dict__["_ember_model_configured"] = True
+        _CONFIGURED.add(module)
 
 
 def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module._call_impl(*args, **kwargs)
 
 
+#: Modules whose ``configure_model()`` ran, and modules compiled in place: each happens once per module, so a
+#: second run with the same module keeps its layers and its compiled code.
+_CONFIGURED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_COMPILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
 def compile_in_place(module: nn.Module, options: dict[str, Any]) -> None:
     """What `nn.Module.compile` does: calls of `module` run compiled, its ``state_dict`` keys do not change.
+    Once per module: a module compiled already keeps its compiled code.
 
     The compiled function's first frame is in this file. `nn.Module.compile` compiles
     ``module._call_impl`` itself, a frame inside torch.nn, and torch 2.13 skips those:
-    ``nn.Sequential(...).compile()`` compiles nothing.
+    ``nn.Sequential(...).compile()`` compiles nothing. So this fills the slot `nn.Module.compile` fills,
+    ``_compiled_call_impl``, with a compiled function whose first frame is ember's.
     """
+    if module in _COMPILED:
+        return
     module._compiled_call_impl = torch.compile(functools.partial(_call_module, module), **options)
+    _COMPILED.add(module)
 
 
 def compile_target(module: nn.Module) -> nn.Module:
@@ -112,6 +124,18 @@ class Strategy:
         self.precision = precision or Precision()
         #: DataLoaders yield CPU tensors already: on the CPU in fp32 a batch needs no walk at all.
         self.batches_stay_put = self.root_device.type == "cpu" and self.precision.cast_dtype is None
+
+    def configure(self, precision: Precision, **topology: Any) -> None:
+        """Take the Trainer's precision plugin (``Trainer(precision=...)``; a `Strategy` instance passed to the
+        Trainer gets it here). One process has no topology to take; `ParallelStrategy` takes ``devices``,
+        ``num_nodes``, ``accelerator`` and ``use_distributed_sampler``."""
+        if topology:
+            raise TypeError(f"{type(self).__name__} runs one process; it takes no {', '.join(sorted(topology))}")
+        self.precision = precision
+        self.batches_stay_put = self.root_device.type == "cpu" and precision.cast_dtype is None
+
+    def release_model(self) -> None:
+        """Drop the wrapper `setup_module` made, if any (`Trainer.release_run`); one process wraps nothing."""
 
     # --- topology -----------------------------------------------------------
     @property

@@ -1,6 +1,5 @@
 """What the Trainer's entry points accept, checked before anything runs: Lightning's argument order (a
-DataModule where the dataloaders go, ``ckpt_path`` third), options that do not apply to the module; and how
-a run stands against its stop conditions, for messages."""
+DataModule where the dataloaders go, ``ckpt_path`` third) and options that do not apply to the module."""
 
 from __future__ import annotations
 
@@ -55,13 +54,3 @@ def check_fit(trainer: Trainer, module: TrainingModule) -> None:
                 f"accumulate_grad_batches={trainer.accumulate_grad_batches} does nothing under manual optimization "
                 "(automatic_optimization = False); drop it and step the optimizer every N batches in training_step"
             )
-
-
-def stop_point(trainer: Trainer) -> str:
-    """Where the run stands against its stop conditions: ``"epoch 20/20"`` or ``"step 500/500"``."""
-    max_epochs, max_steps = trainer.max_epochs, trainer.max_steps
-    if max_epochs is not None and trainer.current_epoch >= max_epochs:
-        return f"epoch {trainer.current_epoch}/{max_epochs}"
-    if 0 <= max_steps <= trainer.global_step:
-        return f"step {trainer.global_step}/{max_steps}"
-    return f"epoch {trainer.current_epoch}, step {trainer.global_step}"

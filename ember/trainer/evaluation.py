@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import random
 import sys
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ember import stages
-from ember.trainer import checkpointing
 from ember.trainer.arguments import check_ckpt_path, split_datamodule
 from ember.trainer.data import as_list, batch_transfer, check_not_empty, limited, num_batches, resolve_loaders
 from ember.trainer.run import record_evaluation, running
@@ -24,6 +24,17 @@ if TYPE_CHECKING:
     from ember.modules.datamodule import DataModule
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
+
+
+@dataclass
+class EvalProgress:
+    """The running validation/test/predict's size, for progress displays; written by this module alone."""
+
+    #: Batches per dataloader (inf: unknown length).
+    num_batches: list[float] = field(default_factory=list)
+
+    def start(self, limits: list[float]) -> None:
+        self.num_batches = list(limits)
 
 
 def validate_in_fit(trainer: Trainer, module: TrainingModule, loaders: list[Any], limits: list[float]) -> None:
@@ -69,12 +80,12 @@ def run_evaluation(
     hooks, reporter = trainer.hooks, trainer.reporter
     collector = reporter.eval_collector
     step_fn = getattr(module, stages.by_loop(stage).step)
-    trainer.num_eval_batches = list(limits)  # progress bars show n/total
+    trainer.eval_progress.start(limits)  # progress bars show n/total
     modes = [(m, m.training) for m in module.modules()]
     getattr(module, f"on_{stage}_model_eval")()  # module.eval() unless the module overrides the hook
     restore_hook = f"on_{stage}_model_train"
     restore = getattr(module, restore_hook) if overrides(module, restore_hook) else None
-    reporter.collector = collector
+    reporter.use(collector)
     try:  # an exception (a KeyboardInterrupt included) leaves the collector and the modes as they were
         collector.start_epoch(stage)
         predictions: list[list[Any]] = [[] for _ in loaders]
@@ -84,12 +95,12 @@ def run_evaluation(
         with no_grad, trainer.strategy.eval_context():
             for dl_idx, loader in enumerate(loaders):
                 extra = (dl_idx,) if len(loaders) > 1 else ()  # as in Lightning: only with several dataloaders
-                collector.suffix = f"/dataloader_idx_{dl_idx}" if extra else ""
+                collector.set_suffix(f"/dataloader_idx_{dl_idx}" if extra else "")
                 to_device = batch_transfer(trainer, module, dl_idx)
                 for batch_idx, batch in enumerate(limited(loader, limits[dl_idx])):
                     if to_device is not None:
                         batch = to_device(batch)
-                    collector.current_batch = batch
+                    collector.see(batch)
                     hooks.on_eval_batch_start(stage, batch, batch_idx, *extra)
                     with trainer.strategy.forward_context():
                         output = step_fn(batch, batch_idx, *extra)
@@ -100,9 +111,9 @@ def run_evaluation(
         results = trainer.reporter.finish_eval(collector.epoch_values(), len(loaders))
         hooks.on_eval_end(stage)
     finally:
-        collector.suffix = ""
-        collector.current_batch = None
-        reporter.collector = reporter.train_collector
+        collector.set_suffix("")
+        collector.see(None)
+        reporter.use(reporter.train_collector)
         if restore is not None:
             restore()
         else:
@@ -125,7 +136,7 @@ def evaluate(
     as_list(loaders)  # a wrong kind of data fails here, before any hook
     with running(trainer, stage, module, datamodule, ckpt_path):
         if trainer.ckpt_path is not None:
-            checkpointing.load_weights(trainer, module, trainer.ckpt_path)
+            trainer.checkpoints.load_weights(trainer, module, trainer.ckpt_path)
         given = resolve_loaders(stage.loop, loaders, datamodule, module)
         resolved = [trainer.strategy.distribute_loader(d, False) for d in given]
         if not resolved:

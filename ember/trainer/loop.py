@@ -1,10 +1,11 @@
-"""The fit loop: epochs of batches, validation cadence, stop conditions, every training hook call site.
+"""The fit loop: epochs of batches, validation cadence, stop conditions, and the fit's state.
 
-`FitLoop` owns the state of one fit that is not options and not checkpointed progress: the open
-accumulation window, whether training runs, the clock, the epoch plan, the resumed data position. The
-trainer exposes what callbacks need of it through read-only properties. One optimizer step is
-`optimization.optimizer_step`; evaluation is `evaluation.run_evaluation`. The order of every hook is
-documented in docs/hooks.md and pinned by tests/unit/trainer/test_hook_order.py.
+`FitState` is where a fit stands (epoch, step, batch position, stop reason, what was last validated); only
+this module writes it, and the trainer shows it read-only (``trainer.global_step``, ``trainer.progress``).
+`FitLoop` is one ``Trainer.fit``: its loaders, epoch plan, optimizers and the resumed data position. The
+epoch, batch, validation and checkpoint-boundary hook call sites are here; the hooks around backward and
+the optimizer step are in `optimization` (one batch, one step), evaluation's in `evaluation`. The order of
+every hook is documented in docs/hooks.md and pinned by tests/unit/trainer/test_hook_order.py.
 """
 
 from __future__ import annotations
@@ -12,10 +13,22 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ember.trainer.checkpointing import at_boundary, save_stop_point
+from ember.checkpoint.data_position import open_rest_of_epoch, same_layout
+from ember.checkpoint.resume import (
+    capture_epoch_start,
+    islice_from,
+    open_positioned,
+    open_resumed_epoch,
+    restore_loader_generators,
+    restore_rng,
+    reuses_workers,
+    warn_if_workers_miss_set_epoch,
+)
+from ember.trainer.boundary import at_boundary, save_stop_point
 from ember.trainer.data import (
     EpochPlan,
     batch_transfer,
@@ -27,9 +40,10 @@ from ember.trainer.data import (
     set_epoch,
     unshuffled,
 )
-from ember.trainer.data_position import open_rest_of_epoch, same_layout
 from ember.trainer.evaluation import validate_in_fit
 from ember.trainer.optimization import (
+    ManualSteps,
+    build_optimizers,
     closure_training_batch,
     detached,
     optimizer_step,
@@ -37,23 +51,84 @@ from ember.trainer.optimization import (
     run_training_batch,
     step_schedulers,
 )
-from ember.trainer.resume import (
-    capture_epoch_start,
-    islice_from,
-    open_positioned,
-    open_resumed_epoch,
-    restore_loader_generators,
-    restore_rng,
-    reuses_workers,
-    warn_if_workers_miss_set_epoch,
-)
 
 if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
     from ember.modules.module import TrainingModule
+    from ember.modules.optimizers import SchedulerConfig
     from ember.trainer.trainer import Trainer
 
 #: A training step for one batch: ``step(batch, batch_idx) -> training_step's output``.
 StepFn = Callable[[Any, int], Any]
+
+
+#: Why a fit stopped (`FitState.stop_reason`).
+STOP_REASONS = ("max_epochs", "max_steps", "max_time", "should_stop")
+
+
+@dataclass
+class FitState:
+    """Where a trainer's fits stand. Written by this module alone; checkpointed (the first four fields).
+
+    - ``epoch``: index of the current training epoch (0-based).
+    - ``global_step``: optimizer steps taken since the run began.
+    - ``batch_idx``: micro-batches finished in the current epoch.
+    - ``validated_after``: index of the batch after which validation last ran in this epoch (-1: not yet),
+      so a resumed run neither repeats nor skips it.
+    - ``stop_reason``: why the most recent fit stopped (one of `STOP_REASONS`; None while it runs).
+    - ``should_stop``: a stop asked for by a hook (``trainer.should_stop = True``), honoured at the next
+      step boundary once ``min_epochs`` / ``min_steps`` are done.
+    - ``sanity_checking``: whether the sanity-check validation runs.
+    - ``window_has_grads``: whether the open accumulation window has gradients no optimizer step used yet.
+    """
+
+    epoch: int = 0
+    global_step: int = 0
+    batch_idx: int = 0
+    validated_after: int = -1
+    stop_reason: str | None = None
+    should_stop: bool = False
+    sanity_checking: bool = False
+    window_has_grads: bool = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "global_step": self.global_step,
+            "batch_idx": self.batch_idx,
+            "validated_after": self.validated_after,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
+        self.batch_idx, self.validated_after = int(state["batch_idx"]), int(state["validated_after"])
+
+    def request_stop(self, value: bool) -> None:
+        """``trainer.should_stop = value`` (the one field hooks set, through the trainer)."""
+        self.should_stop = bool(value)
+
+    def begin_run(self) -> None:
+        """A new fit/validate/test/predict: no stop asked for yet."""
+        self.should_stop, self.stop_reason = False, None
+
+    def add_gradients(self) -> None:
+        """A backward ran inside the open accumulation window."""
+        self.window_has_grads = True
+
+    def count_step(self) -> None:
+        """An optimizer step was taken: its gradients are used."""
+        self.global_step += 1
+        self.window_has_grads = False
+
+
+def stop_point(state: FitState, max_epochs: int | None, max_steps: int) -> str:
+    """Where a fit stands against its stop conditions: ``"epoch 20/20"`` or ``"step 500/500"``."""
+    if max_epochs is not None and state.epoch >= max_epochs:
+        return f"epoch {state.epoch}/{max_epochs}"
+    if 0 <= max_steps <= state.global_step:
+        return f"step {state.global_step}/{max_steps}"
+    return f"epoch {state.epoch}, step {state.global_step}"
 
 
 class Clock:
@@ -82,10 +157,13 @@ class FitLoop:
         self.trainer, self.module = trainer, module
         self.train_loader, self.val_loaders = train_loader, val_loaders
         self.plan, self.num_val_batches = plan, num_val_batches
-        self.progress = trainer.progress
-        #: Whether the current accumulation window has gradients that no optimizer step has used yet.
-        self.window_has_grads = False
-        #: Whether the optimizer evaluates the loss itself (``step(closure)``, e.g. LBFGS); set by `setup_optimizers`.
+        #: The trainer's `FitState`: this loop writes it.
+        self.state = trainer.progress
+        #: What ``configure_optimizers`` returned (`setup_optimizers`), and what manual optimization calls.
+        self.optimizers: list[Optimizer] = []
+        self.lr_scheduler_configs: list[SchedulerConfig] = []
+        self.manual: ManualSteps | None = None
+        #: Whether the optimizer evaluates the loss itself (``step(closure)``, e.g. LBFGS).
         self.steps_with_closure = False
         #: True while epochs run (between ``on_train_start`` and ``on_train_end``): saves wait for a boundary.
         self.running = False
@@ -121,6 +199,18 @@ class FitLoop:
         loop.distribute(train_loader, val_loaders)
         return loop
 
+    def setup_optimizers(self) -> None:
+        """Run ``configure_optimizers`` (`optimization.build_optimizers`); manual optimization's calls go
+        through this loop's `optimization.ManualSteps`."""
+        self.optimizers, self.lr_scheduler_configs, self.steps_with_closure = build_optimizers(self.module, self.plan)
+        self.manual = ManualSteps(self)
+
+    def resume_from(self, path: Path, rank_state: dict[str, Any]) -> None:
+        """Keep this process's state from checkpoint `path` (random streams, data position) for when the first
+        epoch opens (`open_epoch`)."""
+        self.resumed_from, self.resume_state = path, rank_state
+        self.epoch_start_state = rank_state.get("epoch_start")
+
     def distribute(self, train_loader: Any, val_loaders: list[Any]) -> None:
         """Take these loaders (distributed by the strategy) and plan the epoch over them."""
         options, strategy = self.trainer.options, self.trainer.strategy
@@ -144,20 +234,31 @@ class FitLoop:
 
     # --- stop conditions ---------------------------------------------------------------------
     def should_stop_in_epoch(self) -> bool:
-        trainer = self.trainer
+        state = self.state
         return (
-            (trainer.should_stop and self.can_stop_early())
-            or 0 <= self.max_steps <= self.progress.global_step
+            (state.should_stop and self.can_stop_early())
+            or 0 <= self.max_steps <= state.global_step
             or (self.clock.max_time_s is not None and self.clock.expired())
         )
 
+    def stop_reason(self) -> str | None:
+        """Which stop condition holds now (one of `STOP_REASONS`), or None."""
+        state, max_epochs = self.state, self.trainer.max_epochs
+        if max_epochs is not None and state.epoch >= max_epochs:
+            return "max_epochs"
+        if 0 <= self.max_steps <= state.global_step:
+            return "max_steps"
+        if self.clock.max_time_s is not None and self.clock.expired():
+            return "max_time"
+        return "should_stop" if state.should_stop and self.can_stop_early() else None
+
     def can_stop_early(self) -> bool:
         """Whether ``should_stop`` may end the fit: ``min_epochs`` and ``min_steps`` are done."""
-        return self.progress.epoch >= self.min_epochs and self.progress.global_step >= self.min_steps
+        return self.state.epoch >= self.min_epochs and self.state.global_step >= self.min_steps
 
     def is_done(self) -> bool:
         max_epochs = self.trainer.max_epochs
-        return (max_epochs is not None and self.progress.epoch >= max_epochs) or self.should_stop_in_epoch()
+        return (max_epochs is not None and self.state.epoch >= max_epochs) or self.should_stop_in_epoch()
 
     # --- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -166,13 +267,13 @@ class FitLoop:
         steps = math.inf if trainer.num_sanity_val_steps == -1 else trainer.num_sanity_val_steps
         sanity_limits = [min(steps, n) for n in self.num_val_batches]  # limit_val_batches caps it
         if any(sanity_limits):
-            trainer.sanity_checking = True
+            self.state.sanity_checking = True
             try:
                 hooks.on_sanity_check_start()
                 validate_in_fit(trainer, module, self.val_loaders, sanity_limits)
                 hooks.on_sanity_check_end()
             finally:
-                trainer.sanity_checking = False
+                self.state.sanity_checking = False
         warn_if_workers_miss_set_epoch(self.train_loader)
         module.train()
         hooks.on_train_start()
@@ -182,12 +283,13 @@ class FitLoop:
                 self.run_epoch()
         finally:
             self.running = False
+        self.state.stop_reason = self.stop_reason()
         trainer.strategy.settle()  # nothing in flight while on_train_end runs (a profiler may stop there)
         hooks.on_train_end()
         hooks.on_fit_end()
 
     def run_epoch(self) -> None:
-        trainer, module, progress, plan = self.trainer, self.module, self.progress, self.plan
+        trainer, module, progress, plan = self.trainer, self.module, self.state, self.plan
         hooks, collector = trainer.hooks, trainer.reporter.train_collector
         start = progress.batch_idx  # > 0 only when resuming inside this epoch
         reload_every = trainer.reload_dataloaders_every_n_epochs
@@ -206,8 +308,8 @@ class FitLoop:
         self.run_batches(batches, validates)
         if progress.batch_idx == plan.num_batches == loader_length(self.train_loader):  # not cut by a limit
             finish_epoch(iterator, self.train_loader)
-        if self.window_has_grads:  # a loader without a length ended inside an accumulation window
-            optimizer_step(self, trainer.optimizers[0])
+        if progress.window_has_grads:  # a loader without a length ended inside an accumulation window
+            optimizer_step(self, self.optimizers[0])
         last = progress.batch_idx - 1
         if validates and last >= 0 and progress.validated_after != last:  # stopped early: evaluate the final weights
             self.validate_after(last)
@@ -230,19 +332,20 @@ class FitLoop:
         ``backward()`` and ``step()`` would be a no-op (tests/unit/trainer/test_plain_loop.py pins that
         both give the same run), else `optimization.run_training_batch`.
         """
-        trainer, progress, plan, hooks = self.trainer, self.progress, self.plan, self.trainer.hooks
+        trainer, progress, plan, hooks = self.trainer, self.state, self.plan, self.trainer.hooks
         collector, reporter = trainer.reporter.train_collector, trainer.reporter
         to_device = batch_transfer(trainer, self.module)
         batch_start = hooks.bound("on_train_batch_start")
         batch_end = hooks.bound("on_train_batch_end")
         step = self.resolve_step()
         log_every, log, step_metrics = trainer.log_every_n_steps, reporter.log_metrics, reporter.step_metrics
+        see = collector.see
         validate_after = self.validate_after if validates else None
         accumulate, last = plan.accumulate, plan.num_batches - 1  # plan.ends_window, inlined
         for batch_idx, batch in batches:
             if to_device is not None:
                 batch = to_device(batch)
-            collector.current_batch = batch
+            see(batch)
             if batch_start is not None:
                 batch_start(batch, batch_idx)
             steps_before = progress.global_step
@@ -280,7 +383,7 @@ class FitLoop:
 
     def validate_after(self, batch_idx: int) -> None:
         """The validation due after training batch `batch_idx` (recorded first, so a checkpoint inside counts it)."""
-        self.progress.validated_after = batch_idx
+        self.state.validated_after = batch_idx
         validate_in_fit(self.trainer, self.module, self.val_loaders, self.num_val_batches)
 
     # --- the data of an epoch -------------------------------------------------------------------
@@ -288,7 +391,7 @@ class FitLoop:
         """The epoch's batch iterator; on resume, positioned after `start` batches with the step's RNG restored."""
         loader, trainer = self.train_loader, self.trainer
         resumed, self.resume_state = self.resume_state, None
-        epoch = self.progress.epoch
+        epoch = self.state.epoch
         same_world = same_layout(resumed, trainer.strategy)
         if start == 0 and resumed is not None:  # at an epoch boundary: the state the last epoch left, then set_epoch
             restore_rng(resumed["rng"])
@@ -304,5 +407,7 @@ class FitLoop:
             return iter(loader)
         assert resumed is not None, "a run inside an epoch always comes from a checkpoint"
         if not same_world:  # the rest of the epoch, split across this run's processes
-            return open_rest_of_epoch(self, resumed, start)
+            iterator, first, validated = open_rest_of_epoch(self, resumed, start)
+            self.state.batch_idx, self.state.validated_after = first, validated
+            return iterator
         return open_resumed_epoch(loader, start, self.epoch_start_state, resumed, epoch)

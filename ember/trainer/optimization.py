@@ -5,12 +5,14 @@ precision context, backward (divided by the accumulation window, without
 gradient sync until the window ends), and at the window's end `optimizer_step`:
 unscale, hooks, clip, step, zero_grad, step-interval schedulers.
 
-`setup_optimizers` builds the optimizers and schedulers a fit uses and wires
-manual optimization to the same step. An optimizer whose ``step`` needs a closure (``torch.optim.LBFGS``)
+`build_optimizers` builds the optimizers and schedulers a fit uses; `ManualSteps` wires manual
+optimization to the same step. An optimizer whose ``step`` needs a closure (``torch.optim.LBFGS``)
 trains through `closure_training_batch`: the closure ember builds runs the forward, the backward and the
 hooks around them, as often as the optimizer asks. `plain_step` is the step when all of that reduces to
 ``training_step``, ``backward()`` and ``optimizer.step()``: the loop then skips the no-op indirections.
-Every function takes the fit's `FitLoop`, which holds the state a step changes.
+Every step body ends in `finish_step` (hooks, ``zero_grad``, the step counted, schedulers). The functions
+take the fit's `FitLoop`: its optimizers, plan and `FitState` (counted through ``FitState.count_step``).
+The hooks around backward and the optimizer step are called here.
 """
 
 from __future__ import annotations
@@ -25,33 +27,48 @@ from torch.optim import Optimizer
 from ember.modules.optimizers import ManualOptimizer, parse_optimizers
 
 if TYPE_CHECKING:
+    from ember.modules.module import TrainingModule
+    from ember.modules.optimizers import SchedulerConfig
+    from ember.trainer.data import EpochPlan
     from ember.trainer.loop import FitLoop
 
 
-def setup_optimizers(loop: FitLoop) -> None:
-    """Run ``configure_optimizers``; under manual optimization, `self.optimizers()` and ``manual_backward`` go
-    through `optimizer_step` and `backward`, so hooks, precision and step counting stay the same."""
-    trainer, module = loop.trainer, loop.module
+def build_optimizers(module: TrainingModule, plan: EpochPlan) -> tuple[list[Optimizer], list[SchedulerConfig], bool]:
+    """Run ``configure_optimizers``: (the optimizers, the scheduler configs, whether the optimizer steps with a
+    closure), with the gradients zeroed. Several optimizers need manual optimization; a closure optimizer
+    cannot accumulate."""
     setup = parse_optimizers(module.configure_optimizers(), list(module.parameters()))
     if module.automatic_optimization and len(setup.optimizers) > 1:
         raise ValueError(
             f"configure_optimizers returned {len(setup.optimizers)} optimizers; several optimizers need "
             "manual optimization: set self.automatic_optimization = False and step them in training_step"
         )
-    loop.steps_with_closure = module.automatic_optimization and needs_closure(setup.optimizers[0])
-    if loop.steps_with_closure and loop.plan.accumulate > 1:
+    with_closure = module.automatic_optimization and needs_closure(setup.optimizers[0])
+    if with_closure and plan.accumulate > 1:
         raise ValueError(
             f"{type(setup.optimizers[0]).__name__} evaluates the loss several times per step (a closure); it "
             "cannot accumulate gradients over batches: drop accumulate_grad_batches, or use a larger batch"
         )
-    trainer.optimizers, trainer.lr_scheduler_configs = setup.optimizers, setup.schedulers
-    for optimizer in trainer.optimizers:
+    for optimizer in setup.optimizers:
         optimizer.zero_grad(set_to_none=True)
-    module._manual_optimizers = [
-        ManualOptimizer(opt, lambda o, closure: optimizer_step(loop, o, closure)) for opt in trainer.optimizers
-    ]
-    module._manual_schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
-    module._manual_backward_fn = lambda loss: backward(loop, loss)
+    return setup.optimizers, setup.schedulers, with_closure
+
+
+class ManualSteps:
+    """What manual optimization calls (``self.optimizers()``, ``self.lr_schedulers()``, ``manual_backward``):
+    the fit's optimizers wrapped so that ``opt.step()`` goes through `optimizer_step` and ``manual_backward``
+    through `backward`, so hooks, precision and step counting stay those of automatic optimization."""
+
+    def __init__(self, loop: FitLoop) -> None:
+        self.loop = loop
+        self.optimizers = [ManualOptimizer(opt, self._step) for opt in loop.optimizers]
+        self.schedulers = [config.scheduler for config in loop.lr_scheduler_configs]
+
+    def _step(self, optimizer: Optimizer, closure: Any) -> Any:
+        return optimizer_step(self.loop, optimizer, closure)
+
+    def backward(self, loss: Tensor) -> None:
+        backward(self.loop, loss)
 
 
 #: Hooks that sit between backward and the optimizer step.
@@ -89,9 +106,7 @@ def plain_step(loop: FitLoop) -> Callable[[Any, int], Any] | None:
     ``training_step``, ``backward()``, ``step()``, ``zero_grad()`` and step-interval schedulers; else None."""
     if not steps_are_plain(loop):
         return None
-    trainer, progress = loop.trainer, loop.progress
-    training_step, optimizer = loop.module.training_step, trainer.optimizers[0]
-    schedulers_due = any(config.interval == "step" for config in trainer.lr_scheduler_configs)
+    training_step, optimizer = loop.module.training_step, loop.optimizers[0]
 
     def step(batch: Any, batch_idx: int) -> Any:
         output = training_step(batch, batch_idx)
@@ -103,10 +118,7 @@ def plain_step(loop: FitLoop) -> Callable[[Any, int], Any] | None:
                 loss_of(output)  # a loss that is not a scalar or has no graph: ember's clearer error
                 raise
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            progress.global_step += 1
-            if schedulers_due:
-                step_schedulers(loop, "step")
+            finish_step(loop, optimizer)
         return output
 
     return step
@@ -127,12 +139,12 @@ def run_training_batch(loop: FitLoop, batch: Any, batch_idx: int, window_size: i
             output = strategy.training_step(module, batch, batch_idx)
         loss = loss_of(output)
         if loss is not None and guard.mode is not None:
-            loss = loss if guard.admits(loss, loop.progress.global_step + 1) else None
+            loss = loss if guard.admits(loss, loop.state.global_step + 1) else None
         if loss is not None:
             backward(loop, loss / window_size if window_size > 1 else loss)
-            loop.window_has_grads = True
-    if ends_window and loop.window_has_grads:
-        optimizer_step(loop, trainer.optimizers[0])
+            loop.state.add_gradients()
+    if ends_window and loop.state.window_has_grads:
+        optimizer_step(loop, loop.optimizers[0])
     return output
 
 
@@ -141,10 +153,10 @@ def closure_training_batch(loop: FitLoop, batch: Any, batch_idx: int) -> Any:
 
     The closure is what a hand-written loop passes: ``training_step``, ``zero_grad``, backward (with its hooks),
     then ``on_before_optimizer_step`` and clipping; the optimizer calls it as often as it needs. Returns the
-    output of the last evaluation. Accumulation is refused for these optimizers (`setup_optimizers`).
+    output of the last evaluation. Accumulation is refused for these optimizers (`build_optimizers`).
     """
     trainer, module = loop.trainer, loop.module
-    strategy, hooks, optimizer = trainer.strategy, trainer.hooks, trainer.optimizers[0]
+    strategy, hooks, optimizer = trainer.strategy, trainer.hooks, loop.optimizers[0]
     last: list[Any] = [None]
 
     def closure() -> Tensor:
@@ -165,15 +177,12 @@ def closure_training_batch(loop: FitLoop, batch: Any, batch_idx: int) -> Any:
         return loss
 
     strategy.optimizer_step(optimizer, closure)
-    hooks.on_before_zero_grad(optimizer)
-    optimizer.zero_grad(set_to_none=True)
-    loop.progress.global_step += 1
-    if trainer.lr_scheduler_configs:
-        step_schedulers(loop, "step")
+    finish_step(loop, optimizer)
     return last[0]
 
 
 def backward(loop: FitLoop, loss: Tensor) -> None:
+    """Backward through the strategy (precision scaling, DDP's gradient sync), between its hooks."""
     hooks = loop.trainer.hooks
     hooks.on_before_backward(loss)
     loop.trainer.strategy.backward(loss)
@@ -194,21 +203,27 @@ def optimizer_step(loop: FitLoop, optimizer: Optimizer, closure: Any = None) -> 
     if clip is not None:
         strategy.clip_gradients(trainer.model, optimizer, clip, trainer.options.gradient_clip_algorithm)
     result = strategy.optimizer_step(optimizer, closure)
-    if automatic:
-        hooks.on_before_zero_grad(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        loop.window_has_grads = False
-    loop.progress.global_step += 1
-    if automatic and trainer.lr_scheduler_configs:
-        step_schedulers(loop, "step")
+    finish_step(loop, optimizer, automatic)
     return result
+
+
+def finish_step(loop: FitLoop, optimizer: Optimizer, automatic: bool = True) -> None:
+    """After ``optimizer.step()``, in every step body: ``on_before_zero_grad`` and ``zero_grad`` (automatic
+    optimization; under manual optimization the module zeroes and steps its schedulers), the step counted,
+    step-interval schedulers stepped."""
+    if automatic:
+        loop.trainer.hooks.on_before_zero_grad(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    loop.state.count_step()
+    if automatic and loop.lr_scheduler_configs:
+        step_schedulers(loop, "step")
 
 
 def step_schedulers(loop: FitLoop, interval: str) -> None:
     """Step every scheduler with this interval whose frequency divides the step/epoch count."""
-    trainer, progress = loop.trainer, loop.progress
-    count = progress.global_step if interval == "step" else progress.epoch + 1
-    for config in trainer.lr_scheduler_configs:
+    trainer, state = loop.trainer, loop.state
+    count = state.global_step if interval == "step" else state.epoch + 1
+    for config in loop.lr_scheduler_configs:
         if config.interval != interval or count % config.frequency:
             continue
         if config.needs_metric:

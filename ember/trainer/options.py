@@ -258,11 +258,16 @@ def _strategy(
         strategy = ModelParallelStrategy()  # one TP group per node; a Strategy instance sets the sizes
     elif isinstance(strategy, str):
         strategy = DDPStrategy() if strategy == "ddp" else FSDPStrategy()
-    strategy.precision = plugin
     if isinstance(strategy, ParallelStrategy):
-        strategy.devices, strategy.num_nodes = count, num_nodes
-        strategy.accelerator = accelerator
-        strategy.use_distributed_sampler = use_distributed_sampler
+        strategy.configure(
+            plugin,
+            devices=count,
+            num_nodes=num_nodes,
+            accelerator=accelerator,
+            use_distributed_sampler=use_distributed_sampler,
+        )
+    else:
+        strategy.configure(plugin)
     return strategy
 
 

@@ -30,6 +30,10 @@ class Reporter:
         #: Every epoch metric of the most recent validation/test run, as floats.
         self.last_eval_metrics: dict[str, float] = {}
 
+    def use(self, collector: MetricCollector) -> None:
+        """Make `collector` the one ``self.log`` writes to (an evaluation's while it runs)."""
+        self.collector = collector
+
     def step_metrics(self) -> dict[str, Any]:
         """The latest step values: what the module logged plus the precision plugin's (skipped steps)."""
         return {**self.train_collector.step_values, **self.trainer.strategy.precision.step_metrics()}

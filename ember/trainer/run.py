@@ -5,7 +5,7 @@ can reject the run, before anything changes: callbacks, processes, loggers, the 
 the run directory), `start` (the module set up on its devices, compiled, signals caught, ``setup``),
 the entry point's own work, then `finish` (everything undone, loggers closed, ``teardown``), with
 ``on_exception`` for a failure at any point after `prepare`. What a run sets up is kept in the
-trainer's `RunState`.
+trainer's `RunState`, which only this module writes.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,10 +25,12 @@ from torch import nn
 from ember import checkpoint as ckpt
 from ember import stages
 from ember.callbacks.callback_list import CallbackList
+from ember.callbacks.model_checkpoint import ModelCheckpoint
+from ember.loggers.logger import Logger
 from ember.modules.datamodule import DataModule
 from ember.modules.module import TrainingModule
 from ember.strategies import allocator, launcher
-from ember.trainer import checkpointing, signals
+from ember.trainer import signals
 from ember.trainer.setup import default_callbacks, resolve_loggers, run_name
 
 if TYPE_CHECKING:
@@ -37,16 +40,30 @@ if TYPE_CHECKING:
 @dataclass
 class RunState:
     """What the trainer's runs set up. The run directory and the loggers are kept from the first run on;
-    the rest describes the current (or most recent) run."""
+    the rest describes the current (or most recent) run. Written by this module alone."""
 
     run_dir: Path | None = None
+    loggers: list[Logger] = field(default_factory=list)
     loggers_resolved: bool = False
+    #: The running entry point's name (`ember.stages`); None between runs.
+    stage: str | None = None
+    #: The run's callbacks, the module first (`CallbackList`).
+    hooks: CallbackList | None = None
+    datamodule: DataModule | None = None
     module: TrainingModule | None = None
     #: The module as the strategy prepared it (moved, wrapped).
     model: nn.Module | None = None
     #: The checkpoint this run loaded (``ckpt_path`` resolved).
     ckpt: Path | None = None
     preemption: signals.PreemptionFlag = field(default_factory=lambda: signals.PreemptionFlag([]))
+
+    def release_module(self) -> None:
+        """Forget the module and its prepared model (`Trainer.release_run`)."""
+        self.module = self.model = None
+
+
+#: Modules whose BatchNorm layers a run converted to SyncBatchNorm (once per module: a later run keeps them).
+_SYNC_BATCHNORM: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 @contextlib.contextmanager
@@ -63,19 +80,21 @@ def running(
     if trainer.profiler is not None:
         trainer.profiler.begin(trainer, stage.name)
     hooks, claimed = prepare(trainer, stage, module, ckpt_path)
-    trainer.stage, trainer.should_stop, trainer.hooks, trainer.datamodule = stage.name, False, hooks, datamodule
-    trainer.run_state.module, module._trainer = module, trainer
+    state = trainer.run_state
+    state.stage, state.hooks, state.datamodule, state.module = stage.name, hooks, datamodule, module
+    trainer.progress.begin_run()
+    module.trainer = trainer
     status = "failed"
     try:
         start(trainer, stage, module, datamodule)
         with torch.autograd.detect_anomaly() if trainer.options.detect_anomaly else contextlib.nullcontext():
             yield
-        trainer.checkpoint_writer.release()  # the last background write is complete (or raised) when fit returns
+        trainer.checkpoints.release()  # the last background write is complete (or raised) when fit returns
         status = "success"
     except BaseException as exc:
         status = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else "failed"
         hooks.on_exception(exc)
-        checkpointing.finish_writes_quietly(trainer)
+        trainer.checkpoints.finish_quietly()
         raise
     finally:
         finish(trainer, stage, datamodule, status, claimed)
@@ -94,10 +113,13 @@ def prepare(
     trainer.strategy.setup_environment()
     allocator.tune_cpu_allocator(options.tune_cpu_allocator)  # once per process, before the run allocates
     if not state.loggers_resolved:  # only process 0 logs; the others keep no loggers at all
-        trainer.loggers = resolve_loggers(options.logger) if trainer.is_global_zero else []
+        state.loggers = resolve_loggers(options.logger) if trainer.is_global_zero else []
         state.loggers_resolved = True
     root = Path(options.default_root_dir) / (options.run_name or run_name(module))
-    state.ckpt, continued = checkpointing.resolve_ckpt_path(trainer, ckpt_path, root, stage.name)
+    savers = [cb for cb in trainer.user_callbacks if isinstance(cb, ModelCheckpoint)]
+    folders = [Path(cb.dirpath) for cb in savers if cb.dirpath]
+    known_best = next((cb.best_model_path for cb in savers if cb.best_model_path), None)
+    state.ckpt, continued = trainer.checkpoints.resolve(trainer, ckpt_path, root, stage.name, folders, known_best)
     claimed: tuple[Path, Path] | None = None
     if continued is not None:
         state.run_dir = continued
@@ -115,18 +137,17 @@ def start(trainer: Trainer, stage: stages.Stage, module: TrainingModule, datamod
     if asked), compile it if asked, catch preemption signals, call ``setup``."""
     state, options = trainer.run_state, trainer.options
     prepare_data(trainer, module, datamodule)
-    if options.sync_batchnorm and trainer.world_size > 1 and not module.__dict__.get("_ember_sync_batchnorm"):
+    if options.sync_batchnorm and trainer.world_size > 1 and module not in _SYNC_BATCHNORM:
         if trainer.strategy.root_device.type == "cpu":
             raise ValueError("sync_batchnorm=True: torch's SyncBatchNorm runs on GPUs only; drop it for CPU processes")
         nn.SyncBatchNorm.convert_sync_batchnorm(module)  # in place: the module's children are replaced
-        module.__dict__["_ember_sync_batchnorm"] = True  # once: a later run keeps the converted layers
+        _SYNC_BATCHNORM.add(module)  # once: a later run keeps the converted layers
     if options.benchmark is not None:
         torch.backends.cudnn.benchmark = options.benchmark
     state.model = trainer.strategy.setup_module(module)
     compile_options = trainer.options.compile_options
-    if compile_options is not None and not getattr(module, "_ember_compiled", False):
-        trainer.strategy.compile_module(module, compile_options)  # in place: state_dict keys stay clean
-        module._ember_compiled = True
+    if compile_options is not None:
+        trainer.strategy.compile_module(module, compile_options)  # in place, once: state_dict keys stay clean
     if trainer.options.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -165,7 +186,7 @@ def finish(
     if datamodule is not None:
         datamodule.teardown(stage.name)
     trainer.strategy.teardown()
-    trainer.stage = None
+    trainer.run_state.stage = None
     if claimed is not None and trainer.world_size == 1:
         ckpt.release_if_empty(*claimed)
     if trainer.profiler is not None:

@@ -1,9 +1,11 @@
 """`Trainer`: stores its options, then runs fit / validate / test / predict.
 
 `__init__` checks and stores the options (`options.TrainerOptions`, readable as ``trainer.<name>``) and builds
-what they name (the strategy, the profiler); the work happens in `fit` and friends. A run is a short sequence of
-named steps (`_run`); the fit loop and its state are `loop.FitLoop`, evaluation is `evaluation.run_evaluation`, the
-metrics path is `reporting.Reporter`. Other modules read the trainer through public names only."""
+what they name (the strategy, the profiler); the work happens in `fit` and friends. A run is `run.running`
+(its setup kept in `run.RunState`); the fit loop is `loop.FitLoop` and where a fit stands is `loop.FitState`,
+which only the loop writes; evaluation is `evaluation.run_evaluation`; the metrics path is
+`reporting.Reporter`; checkpoints are `ember.checkpoint.manager.CheckpointManager`. The trainer's state is
+read through properties; the one a hook sets is ``should_stop``."""
 
 from __future__ import annotations
 
@@ -20,20 +22,19 @@ from ember import stages
 from ember.callbacks.callback import Callback
 from ember.callbacks.callback_list import CallbackList
 from ember.callbacks.model_checkpoint import ModelCheckpoint
+from ember.checkpoint.manager import CheckpointManager, info
 from ember.loggers.logger import Logger
 from ember.modules.datamodule import DataModule
 from ember.modules.logging import MetricCollector
 from ember.modules.module import TrainingModule
 from ember.modules.optimizers import SchedulerConfig
 from ember.strategies.strategy import Strategy
-from ember.trainer import checkpointing, options, signals
-from ember.trainer.arguments import check_ckpt_path, check_fit, check_not_datamodule, split_datamodule, stop_point
+from ember.trainer import options, signals
+from ember.trainer.arguments import check_ckpt_path, check_fit, check_not_datamodule, split_datamodule
 from ember.trainer.data import EpochPlan, as_list
-from ember.trainer.evaluation import evaluate
-from ember.trainer.loop import FitLoop
+from ember.trainer.evaluation import EvalProgress, evaluate
+from ember.trainer.loop import FitLoop, FitState, stop_point
 from ember.trainer.numerics import FiniteGuard
-from ember.trainer.optimization import setup_optimizers
-from ember.trainer.progress import Progress
 from ember.trainer.reporting import Reporter
 from ember.trainer.run import RunState, running
 from ember.trainer.setup import record_hyperparameters
@@ -112,23 +113,14 @@ class Trainer:
         self.profiler = None if profiler is None else _resolve_profiler(profiler)
         #: The resolved config of a run launched from YAML; saved as config.yaml, in checkpoints, and as hparams.
         self.run_config: dict[str, Any] | None = None
-        self.progress = Progress()
-        self.should_stop = False
-        self.sanity_checking = False
-        self.stage: str | None = None
-        self.loggers: list[Logger] = []
-        self.optimizers: list[Optimizer] = []
-        self.lr_scheduler_configs: list[SchedulerConfig] = []
-        #: Batches per dataloader of the running validation/test/predict (inf: unknown length).
-        self.num_eval_batches: list[float] = []
-        self.datamodule: DataModule | None = None
-        self.hooks: CallbackList
         self.reporter = Reporter(self)
         self._finite_guard = FiniteGuard(nonfinite_loss)
-        #: Writes checkpoints at step boundaries (in the background when asked).
-        self.checkpoint_writer = checkpointing.CheckpointWriter()
-        #: What the runs set up: the run directory, the module as prepared, the checkpoint loaded (`run.RunState`).
+        #: Finds, writes (at step boundaries, in the background when asked) and restores checkpoints.
+        self.checkpoints = CheckpointManager()
+        #: What the runs set up: the run directory, loggers, hooks, the module as prepared (`run.RunState`).
         self.run_state = RunState()
+        self._fit_state = FitState()
+        self._eval_progress = EvalProgress()
         self._fit_loop: FitLoop | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -137,16 +129,84 @@ class Trainer:
             raise AttributeError(f"Trainer has no {name!r}; in ember it is trainer.{_LIGHTNING_NAMES[name]}")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    # --- public state ---------------------------------------------------------
+    # --- public state (read-only views; ``should_stop`` is the one a hook sets) ---
+    @property
+    def progress(self) -> FitState:
+        """Where the fits stand: epoch, step, batch position, stop reason (`loop.FitState`; the loop writes it)."""
+        return self._fit_state
+
     @property
     def global_step(self) -> int:
         """Optimizer steps taken so far."""
-        return self.progress.global_step
+        return self._fit_state.global_step
 
     @property
     def current_epoch(self) -> int:
         """Index of the current training epoch (0-based)."""
-        return self.progress.epoch
+        return self._fit_state.epoch
+
+    @property
+    def should_stop(self) -> bool:
+        """Set it to True from any hook to stop fit at the next step boundary (once ``min_epochs`` and
+        ``min_steps`` are done); reset when a run starts."""
+        return self._fit_state.should_stop
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        self._fit_state.request_stop(value)
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the most recent fit stopped: ``"max_epochs"``, ``"max_steps"``, ``"max_time"``, ``"should_stop"``;
+        None while it runs, or when it ended by an error or a signal."""
+        return self._fit_state.stop_reason
+
+    @property
+    def sanity_checking(self) -> bool:
+        """Whether the sanity-check validation (before the first training epoch) runs now."""
+        return self._fit_state.sanity_checking
+
+    @property
+    def stage(self) -> str | None:
+        """The running entry point: ``"fit"``, ``"validate"``, ``"test"``, ``"predict"``; None between runs."""
+        return self.run_state.stage
+
+    @property
+    def hooks(self) -> CallbackList:
+        """The current run's callbacks (the module first) as one dispatcher."""
+        if self.run_state.hooks is None:
+            raise RuntimeError("trainer.hooks exists once fit/validate/test/predict has been called")
+        return self.run_state.hooks
+
+    @property
+    def loggers(self) -> list[Logger]:
+        """The loggers (empty before the first run, and on every process but 0)."""
+        return self.run_state.loggers
+
+    @property
+    def datamodule(self) -> DataModule | None:
+        """The DataModule of the current (or most recent) run, if one was given."""
+        return self.run_state.datamodule
+
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        """The optimizers of the current (or most recent) fit, as ``configure_optimizers`` returned them."""
+        return self._fit_loop.optimizers if self._fit_loop is not None else []
+
+    @property
+    def lr_scheduler_configs(self) -> list[SchedulerConfig]:
+        """The schedulers of the current (or most recent) fit with their interval, frequency and monitor."""
+        return self._fit_loop.lr_scheduler_configs if self._fit_loop is not None else []
+
+    @property
+    def num_eval_batches(self) -> list[float]:
+        """Batches per dataloader of the running validation/test/predict (inf: unknown length)."""
+        return self._eval_progress.num_batches
+
+    @property
+    def eval_progress(self) -> EvalProgress:
+        """The running validation/test/predict's sizes (`evaluation.EvalProgress`; evaluation writes it)."""
+        return self._eval_progress
 
     @property
     def user_callbacks(self) -> list[Callback]:
@@ -264,8 +324,10 @@ class Trainer:
 
     @property
     def callbacks(self) -> list[Callback]:
-        """All callbacks of the current run: the user's plus the defaults ember added."""
-        return self.hooks.callbacks
+        """All callbacks of the current run: the user's plus the defaults ember added (before the first run:
+        the user's)."""
+        hooks = self.run_state.hooks
+        return hooks.callbacks if hooks is not None else list(self.user_callbacks)
 
     @property
     def checkpoint_callback(self) -> ModelCheckpoint | None:
@@ -308,11 +370,12 @@ class Trainer:
         check_fit(self, module)
         with running(self, stages.FIT, module, datamodule, ckpt_path):
             loop = self._fit_loop = FitLoop.build(self, module, train_dataloaders, val_dataloaders, datamodule)
-            setup_optimizers(loop)
+            loop.setup_optimizers()
             if self.ckpt_path is not None:
-                checkpointing.resume(loop, self.ckpt_path)
+                loop.resume_from(self.ckpt_path, self.checkpoints.restore(self, module, self.ckpt_path))
                 if loop.is_done():
-                    checkpointing.info(self, f"this run already finished ({stop_point(self)}); nothing to do")
+                    where = stop_point(self._fit_state, self.max_epochs, self.max_steps)
+                    info(self, f"this run already finished ({where}); nothing to do")
             record_hyperparameters(self, module, resumed=self.ckpt_path is not None)
             if loop.plan.num_batches == 0:
                 return  # limit_train_batches=0 disables training
@@ -380,10 +443,17 @@ class Trainer:
         module = self.run_state.module
         if module is None:
             raise RuntimeError("save_checkpoint needs a module: call it during or after fit/validate/test/predict")
-        self.checkpoint_writer.request(Path(path), weights_only, async_save, set_last, on_done)
+        self.checkpoints.request(Path(path), weights_only, async_save, set_last, on_done)
         if not self.training:
-            self.checkpoint_writer.flush(self, module)
+            self.checkpoints.flush(self, module)
         return Path(path)
+
+    def release_run(self) -> None:
+        """Drop what the most recent run holds on to: the module and its prepared (wrapped) model, the fit's
+        loop with its optimizers. The finders' scratch runs call it so the next fit wraps the module afresh."""
+        self.strategy.release_model()
+        self.run_state.release_module()
+        self._fit_loop = None
 
     @property
     def training(self) -> bool:

@@ -201,7 +201,7 @@ class Profiler:
         for attr, name in _REPORTER_ACTIONS.items():
             self._wrap_attr(trainer.reporter, attr, name)
         for attr, name in _WRITER_ACTIONS.items():
-            self._wrap_attr(trainer.checkpoint_writer, attr, name)
+            self._wrap_attr(trainer.checkpoints, attr, name)
         trainer.hooks.instrument(self._wrap_hook)
         if self.config.kind == "pytorch":
             self._start_torch_profiler(trainer)

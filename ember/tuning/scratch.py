@@ -31,10 +31,6 @@ if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
 
-#: Attributes the trainer sets on a module during fit; restored after a scratch run.
-_MODULE_ATTRS = ("_trainer", "_manual_optimizers", "_manual_schedulers", "_manual_backward_fn")
-
-
 def check_supported(trainer: Trainer, what: str) -> None:
     """Raise for strategies a scratch run cannot undo (FSDP shards the module in place)."""
     from ember.strategies.fsdp import FSDPStrategy
@@ -95,7 +91,7 @@ def scratch_trainer(
         requeue_signal=None,
         deterministic=trainer.deterministic,
     )
-    scratch.strategy.precision = copy.copy(trainer.strategy.precision)  # resolve_strategy set a fresh 32-true one
+    scratch.strategy.configure(copy.copy(trainer.strategy.precision), **topology)  # resolve_strategy set 32-true
     return scratch
 
 
@@ -105,11 +101,7 @@ def release(scratch: Trainer) -> None:
     A DDP wrapper registers gradient hooks on the module's parameters; it must be
     gone before the next fit wraps the module again, or two reducers would fire.
     """
-    if hasattr(scratch.strategy, "_ddp"):
-        scratch.strategy._ddp = None
-    scratch.run_state.model = None
-    scratch.run_state.module = None
-    scratch.optimizers, scratch.lr_scheduler_configs = [], []
+    scratch.release_run()
     gc.collect()
 
 
@@ -144,7 +136,8 @@ class Snapshot:
     module: TrainingModule
     tensors: dict[str, Tensor]
     modes: list[tuple[torch.nn.Module, bool]]
-    attrs: dict[str, Any]
+    #: The trainer the module was attached to before the scratch run (put back after it).
+    trainer: Trainer | None
     grads: dict[str, Tensor | None]
     python_rng: Any
     torch_rng: Tensor
@@ -163,7 +156,7 @@ class Snapshot:
             module=module,
             tensors=tensors,
             modes=[(m, m.training) for m in module.modules()],
-            attrs={name: getattr(module, name) for name in _MODULE_ATTRS if hasattr(module, name)},
+            trainer=module.trainer if module.has_trainer else None,
             grads={name: _clone(p.grad) for name, p in module.named_parameters(remove_duplicate=False)},
             python_rng=random.getstate(),
             torch_rng=torch.get_rng_state(),
@@ -196,8 +189,7 @@ class Snapshot:
                 target.copy_(saved)
         for submodule, training in self.modes:
             submodule.training = training
-        for name, value in self.attrs.items():
-            setattr(self.module, name, value)
+        self.module.trainer = self.trainer
         for name, param in self.module.named_parameters(remove_duplicate=False):
             param.grad = self.grads.get(name)
         random.setstate(self.python_rng)

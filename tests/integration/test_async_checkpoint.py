@@ -38,7 +38,7 @@ from ember import Callback, Trainer, TrainingModule, seed_everything
 from ember import checkpoint as ckpt
 from ember.callbacks.model_checkpoint import ModelCheckpoint
 from ember.checkpoint import dcp_writer
-from ember.trainer import state
+from ember.checkpoint import registry as state
 
 pytestmark = pytest.mark.slow
 
@@ -396,7 +396,7 @@ def test_async_save_in_flight_at_exit_is_completed(tmp_path: Path) -> None:
 def test_periodic_async_saves_reuse_their_snapshot_buffers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every async save copies into the buffers of the previous one (its write has finished by then), and
     each checkpoint still holds the weights of its own step; fit frees the buffers when it ends."""
-    from ember.trainer import state
+    from ember.checkpoint import registry as state
 
     copies: list[dict[str, torch.Tensor]] = []
     original = state.gather
@@ -428,4 +428,4 @@ def test_periodic_async_saves_reuse_their_snapshot_buffers(tmp_path: Path, monke
     for step, live in saver.live.items():
         saved = ckpt.read_module_state(tmp_path / f"step{step}")[1]["layer.weight"]
         assert torch.equal(saved, live), f"checkpoint of step {step}"
-    assert trainer.checkpoint_writer._staging == {}, "fit kept the snapshot buffers after it ended"
+    assert trainer.checkpoints._staging == {}, "fit kept the snapshot buffers after it ended"

@@ -1,6 +1,6 @@
 """Resuming on a different number of processes continues the interrupted epoch, or is refused clearly.
 
-A checkpoint records the epoch's position as samples consumed by all processes (`ember.trainer.data_position`).
+A checkpoint records the epoch's position as samples consumed by all processes (`ember.checkpoint.data_position`).
 On another number of processes the rest of that epoch is split across the new processes: within the epoch no
 sample is seen twice and none is skipped. What cannot be rebuilt (a custom sampler, an epoch cut by
 ``limit_train_batches``) is a `CheckpointError` that says what to do.
@@ -289,8 +289,8 @@ def test_an_epoch_cut_by_limit_train_batches_is_refused_on_another_world_size(ru
 def test_the_rest_of_an_epoch_is_split_without_a_sample_skipped_or_seen_twice(
     n: int, saved_world: int, new_world: int, batch: int, drop_last: bool, shuffle: bool, data: st.DataObject
 ) -> None:
-    from ember.trainer.data_position import distributed_order as global_order
-    from ember.trainer.data_position import split_rest
+    from ember.checkpoint.data_position import distributed_order as global_order
+    from ember.checkpoint.data_position import split_rest
 
     order = global_order(n, saved_world, seed=3, shuffle=shuffle, drop_last=False, epoch=2)
     for rank in range(saved_world):  # position p is what process p % W took as its (p // W)-th sample

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from ember.trainer.resume import capture_rng, restore_rng
+from ember.checkpoint.resume import capture_rng, restore_rng
 
 
 def draws() -> tuple[list[float], list[float]]:

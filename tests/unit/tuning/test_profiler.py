@@ -84,7 +84,7 @@ def test_without_a_profiler_nothing_is_attached(tiny: Any, tmp_path: Path) -> No
 def test_the_wrappers_are_removed_after_the_run(tiny: Any, tmp_path: Path) -> None:
     trainer, _, _ = _fit(tiny, tmp_path, "simple")
     assert not steps_are_plain(trainer.fit_loop)  # a profiled run takes the general path (it times its parts)
-    for obj in (trainer.strategy, trainer.reporter, trainer.checkpoint_writer):
+    for obj in (trainer.strategy, trainer.reporter, trainer.checkpoints):
         wrapped = [k for k, v in vars(obj).items() if callable(v) and hasattr(v, "__wrapped__")]
         assert wrapped == [], (type(obj).__name__, wrapped)
 

@@ -29,7 +29,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 from torch.utils.data.distributed import DistributedSampler
 
 from ember.checkpoint import CheckpointError
-from ember.trainer.resume import open_batches, restore_epoch_start
+from ember.checkpoint.resume import open_batches, restore_epoch_start
 
 if TYPE_CHECKING:
     from ember.trainer.loop import FitLoop
@@ -107,19 +107,18 @@ def split_rest(rest: list[int], world_size: int, rank: int, batch_size: int, dro
     return [mine[i * batch_size : (i + 1) * batch_size] for i in range(count)]
 
 
-def open_rest_of_epoch(loop: FitLoop, saved: dict[str, Any], start: int) -> Iterator[Any]:
-    """The iterator over this process's part of the rest of the interrupted epoch (`rest_of_epoch`).
+def open_rest_of_epoch(loop: FitLoop, saved: dict[str, Any], start: int) -> tuple[Iterator[Any], int, int]:
+    """The iterator over this process's part of the rest of the interrupted epoch (`rest_of_epoch`), with the
+    batch index it starts at and the index validation counts as done after (-1: none).
 
     The epoch's batch index continues so that the epoch ends at its usual last index; a validation that
     ran right at the checkpoint still counts as done.
     """
     trainer, loader = loop.trainer, loop.train_loader
     rest = rest_of_epoch(trainer, loader, saved, loop.epoch_start_state)
-    progress = trainer.progress
-    was_validated = progress.validated_after == start - 1
-    progress.batch_idx = int(loop.plan.num_batches) - len(rest)
-    progress.validated_after = progress.batch_idx - 1 if was_validated else -1
-    return open_batches(loader, rest, saved["rng"])
+    first = int(loop.plan.num_batches) - len(rest)
+    validated = first - 1 if loop.state.validated_after == start - 1 else -1
+    return open_batches(loader, rest, saved["rng"]), first, validated
 
 
 def rest_of_epoch(

@@ -21,9 +21,8 @@ from torch.utils.data import IterableDataset
 
 import ember
 from ember import checkpoint as ckpt
-from ember.checkpoint import writing
-from ember.trainer import data_position
-from ember.trainer.resume import capture_loader_generators, capture_rng
+from ember.checkpoint import data_position, writing
+from ember.checkpoint.resume import capture_loader_generators, capture_rng
 
 if TYPE_CHECKING:
     from ember.modules.module import TrainingModule

@@ -1,7 +1,10 @@
-"""The trainer's side of checkpoints: which checkpoint ``ckpt_path`` means, saving, resuming.
+"""The checkpoint manager: how a checkpoint is found, gathered, written (sync or in the background) and restored.
 
-The file format lives in `checkpoint.py`, what goes into a checkpoint in
-`state.py`; *when* to save is the `ModelCheckpoint` callback's business.
+One `CheckpointManager` per trainer (``trainer.checkpoints``). It decides *how*; *when* to save and what
+to keep is `ember.callbacks.ModelCheckpoint`'s business, and the loop calls `CheckpointManager.flush` at
+step boundaries (ember/trainer/boundary.py). What goes into a checkpoint is the registry
+(`ember.checkpoint.registry`); the files are `writing` / `reading`; the data position across a resume is
+`resume` and `data_position`; which checkpoint a ``ckpt_path`` names is `locating`.
 """
 
 from __future__ import annotations
@@ -10,53 +13,27 @@ import atexit
 import contextlib
 import functools
 import os
-import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ember import checkpoint as ckpt
-from ember.strategies import launcher
-from ember.trainer import signals, state
+from ember.checkpoint import registry
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from ember.callbacks.model_checkpoint import ModelCheckpoint
     from ember.modules.module import TrainingModule
-    from ember.trainer.loop import FitLoop
     from ember.trainer.trainer import Trainer
+
 
 def info(trainer: Trainer, message: str) -> None:
     """One line on stderr from the global-zero process."""
     if trainer.is_global_zero:
         print(f"ember: {message}", file=sys.stderr, flush=True)
-
-
-def resolve_ckpt_path(
-    trainer: Trainer, ckpt_path: str | os.PathLike[str] | None, run_root: Path, stage: str
-) -> tuple[Path | None, Path | None]:
-    """(the checkpoint `ckpt_path` names, the run directory fit continues or None); see
-    `ember.checkpoint.resolve_ckpt_path`. The folders of explicit ``ModelCheckpoint(dirpath=...)`` are
-    searched first, and ``"best"`` prefers this trainer's own record."""
-    if ckpt_path is None:
-        return None, None
-    savers = [cb for cb in trainer.user_callbacks if isinstance(cb, _model_checkpoint_class())]
-    folders = [Path(cb.dirpath) for cb in savers if cb.dirpath]
-    known_best = next((cb.best_model_path for cb in savers if cb.best_model_path), None)
-    path, run_dir, message = ckpt.resolve_ckpt_path(ckpt_path, run_root, stage, folders, known_best)
-    if message is not None:
-        info(trainer, message)
-    return path, run_dir
-
-
-def _model_checkpoint_class() -> type[ModelCheckpoint]:
-    from ember.callbacks.model_checkpoint import ModelCheckpoint
-
-    return ModelCheckpoint
 
 
 OnDone = Callable[[Path], None]
@@ -71,8 +48,9 @@ class _Request:
     on_done: OnDone | None
 
 
-class CheckpointWriter:
-    """Writes checkpoints at step boundaries, optionally in a background thread.
+class CheckpointManager:
+    """Finds, writes and restores the checkpoints of one trainer; writes happen at step boundaries, optionally in
+    a background thread.
 
     During fit, a save asked for from a hook is written at the next boundary:
     the end of the current accumulation window (after its validation, if due)
@@ -123,11 +101,11 @@ class CheckpointWriter:
                     logger.save()
             req.on_done = _telling_loggers(trainer, req.on_done)  # e.g. W&B uploads it as an artifact
             staging = self._staging if req.async_save else None
-            snapshot = state.gather(trainer, module, req.weights_only, copy=req.async_save, staging=staging)
+            snapshot = registry.gather(trainer, module, req.weights_only, copy=req.async_save, staging=staging)
             if req.async_save:
                 self._start(req, functools.partial(self._write, req, snapshot), snapshot.rank, low_priority=True)
             elif trainer.training and snapshot.world_size == 1:
-                self._start(req, state.stage(req.path, snapshot, req.set_last).finish, 0, low_priority=False)
+                self._start(req, registry.stage(req.path, snapshot, req.set_last).finish, 0, low_priority=False)
             else:
                 self._write(req, snapshot)
                 if req.on_done is not None and snapshot.rank == 0:
@@ -144,8 +122,8 @@ class CheckpointWriter:
             self._waits_at_exit = True
 
     @staticmethod
-    def _write(req: _Request, snapshot: state.Snapshot) -> None:
-        state.write(req.path, snapshot, req.set_last)
+    def _write(req: _Request, snapshot: registry.Snapshot) -> None:
+        registry.write(req.path, snapshot, req.set_last)
 
     def _run_in_background(self, req: _Request, work: Callable[[], object], rank: int, low_priority: bool) -> None:
         if low_priority:  # a whole async write: the step loop keeps the CPU, the writer takes what is left
@@ -184,6 +162,53 @@ class CheckpointWriter:
             error, self._error = self._error, None
             raise ckpt.CheckpointWriteError(f"a background checkpoint write failed: {error}") from error
 
+    def resolve(
+        self,
+        trainer: Trainer,
+        ckpt_path: str | os.PathLike[str] | None,
+        run_root: Path,
+        stage: str,
+        folders: Sequence[Path] = (),
+        known_best: str | None = None,
+    ) -> tuple[Path | None, Path | None]:
+        """(the checkpoint `ckpt_path` names, the run directory fit continues or None); see
+        `ember.checkpoint.resolve_ckpt_path`. `folders` (explicit ``ModelCheckpoint(dirpath=...)``) are
+        searched first, and ``"best"`` prefers `known_best` (this trainer's own record)."""
+        if ckpt_path is None:
+            return None, None
+        path, run_dir, message = ckpt.resolve_ckpt_path(ckpt_path, run_root, stage, list(folders), known_best)
+        if message is not None:
+            info(trainer, message)
+        return path, run_dir
+
+    def restore(self, trainer: Trainer, module: TrainingModule, path: Path) -> dict[str, Any]:
+        """Restore every registry entry from checkpoint `path` for resuming training; returns this process's
+        state (random streams, data position), which the fit loop applies when training continues."""
+        loaded = registry.load(path, trainer.global_rank, trainer.world_size)
+        registry.restore(trainer, module, loaded)
+        return loaded.rank_state
+
+    @staticmethod
+    def load_weights(trainer: Trainer, module: TrainingModule, path: Path) -> None:
+        """Load only the module weights from `path` (for validate/test/predict)."""
+        meta, weights = ckpt.read_module_state(path)
+        hint = ckpt.mismatch_hint(meta, trainer.run_config, dict(module.hparams))
+        load = trainer.strategy.load_module_state
+        ckpt.load_weights_into(module, weights, path, meta.get("module_class"), load, hint)
+
+    def finish_quietly(self) -> None:
+        """On the way out of a failed run: let an in-flight write finish; report (not raise) its error."""
+        self.pending.clear()
+        try:
+            self.release()
+        except RuntimeError as exc:
+            print(f"ember: {exc}", file=sys.stderr, flush=True)
+
+    def write_now(self) -> None:
+        """Make every pending request a synchronous one (the process is about to exit)."""
+        for request in self.pending:
+            request.async_save = False
+
 
 def _telling_loggers(trainer: Trainer, on_done: OnDone | None) -> OnDone:
     """`on_done`, preceded by ``logger.after_save_checkpoint(path)`` for every logger (rank zero, main thread)."""
@@ -197,90 +222,3 @@ def _telling_loggers(trainer: Trainer, on_done: OnDone | None) -> OnDone:
     return done
 
 
-def resume(loop: FitLoop, path: Path) -> None:
-    """Restore everything from checkpoint `path` into the fit `loop` belongs to; the loop keeps this process's
-    state (random streams, data position) for when training continues."""
-    trainer = loop.trainer
-    loaded = state.load(path, trainer.global_rank, trainer.world_size)
-    state.restore(trainer, loop.module, loaded)
-    loop.resumed_from = path
-    loop.resume_state = loaded.rank_state
-    loop.epoch_start_state = loaded.rank_state.get("epoch_start")
-
-
-def load_weights(trainer: Trainer, module: TrainingModule, path: Path) -> None:
-    """Load only the module weights from `path` (for validate/test/predict)."""
-    meta, weights = ckpt.read_module_state(path)
-    hint = ckpt.mismatch_hint(meta, trainer.run_config, dict(module.hparams))
-    ckpt.load_weights_into(module, weights, path, meta.get("module_class"), trainer.strategy.load_module_state, hint)
-
-
-def finish_writes_quietly(trainer: Trainer) -> None:
-    """On the way out of a failed run: let an in-flight write finish; report (not raise) its error."""
-    trainer.checkpoint_writer.pending.clear()
-    try:
-        trainer.checkpoint_writer.release()
-    except RuntimeError as exc:
-        print(f"ember: {exc}", file=sys.stderr, flush=True)
-
-
-def resumable_saver(trainer: Trainer) -> ModelCheckpoint | None:
-    """The `ModelCheckpoint` that writes the checkpoints a stop or preemption saves: the first one that
-    writes full (resumable) checkpoints; None when every one saves weights only (or there is none)."""
-    return next((cb for cb in trainer.checkpoint_callbacks if not cb.save_weights_only), None)
-
-
-def handle_preemption(trainer: Trainer, module: TrainingModule, signum: int) -> None:
-    """Save a resumable ``last`` at this boundary, requeue under SLURM, and exit with `signals.EXIT_PREEMPTED`.
-
-    The checkpoint is written by `resumable_saver`, else as ``<run dir>/checkpoints/preempted-step=N``
-    (also when the only savers keep weights only, which cannot resume). ``fast_dev_run`` saves nothing.
-    """
-    name = signals.signal_name(signum)
-    if trainer.fast_dev_run:
-        info(trainer, f"received {name}: fast_dev_run saves no checkpoint; stopping at step {trainer.global_step}")
-    else:
-        info(trainer, f"received {name}: saving a checkpoint at step {trainer.global_step}")
-    trainer.checkpoint_writer.wait()
-    saver = resumable_saver(trainer)
-    if trainer.fast_dev_run:
-        pass
-    elif saver is not None:
-        saver.save_for_preemption(trainer)
-    else:
-        path = trainer.run_dir / ckpt.CHECKPOINT_SUBDIR / f"preempted-step={trainer.global_step}"
-        if not path.exists():
-            trainer.checkpoint_writer.request(path, False, False, True, None)
-    for request in trainer.checkpoint_writer.pending:
-        request.async_save = False  # the process is about to exit: write now
-    trainer.checkpoint_writer.flush(trainer, module)
-    trainer.checkpoint_writer.wait()
-    launcher.mark_preempted(trainer.global_rank)  # under `devices=N`: the launcher exits 75 once all have saved
-    job = signals.slurm_job_to_requeue()
-    if job is not None and trainer.is_global_zero:
-        signals.requeue_slurm_job(job)
-    raise signals.Preempted(signum)
-
-
-def at_boundary(trainer: Trainer, module: TrainingModule) -> None:
-    """A step or epoch boundary: write pending checkpoints; act on a preemption signal."""
-    received = trainer.run_state.preemption.received  # the state, not the properties: this runs every step
-    if trainer.strategy.preemption_requested(received is not None):
-        handle_preemption(trainer, module, received or signal.SIGTERM)
-    writer = trainer.checkpoint_writer
-    if writer.pending:
-        writer.flush(trainer, module)
-
-
-def save_stop_point(trainer: Trainer, module: TrainingModule) -> None:
-    """A stop inside an epoch: save ``last`` at this step boundary now, before the epoch-end hooks.
-
-    The epoch-end processing that follows (validation of the final weights,
-    ``on_train_epoch_end``, epoch schedulers, ``epoch += 1``) describes a cut-short
-    epoch; a ModelCheckpoint that has saved this step skips its epoch-end save, so
-    ``fit(ckpt_path="last")`` continues the epoch where it stopped.
-    """
-    saver = resumable_saver(trainer)
-    if saver is not None:
-        saver.save_for_preemption(trainer)
-        trainer.checkpoint_writer.flush(trainer, module)
