@@ -40,8 +40,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ember
-from ember.strategies import FSDPStrategy
 from ember.checkpoint import registry as state
+from ember.strategies import FSDPStrategy
 
 GOAL_SHARE = 0.01
 

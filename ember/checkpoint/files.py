@@ -171,6 +171,7 @@ def read_regular(file: Path, what: str, limit: int | None = None) -> bytes:
     finally:
         os.close(fd)
 
+
 def is_plain_name(name: str) -> bool:
     """A file or directory name inside one folder: no separators, not hidden, not ``.``/``..``."""
     return bool(name) and "/" not in name and "\\" not in name and not name.startswith(".") and "\0" not in name

@@ -31,6 +31,7 @@ _TENSOR_MARK = "__ember_tensor__"
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the file and what is wrong."""
 
+
 class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint failed (e.g. the disk is full); the previous checkpoint and ``last`` are intact."""
 
@@ -52,6 +53,7 @@ def split_tensors(obj: Any, prefix: str = "") -> tuple[Any, dict[str, Tensor]]:
 
     return walk(obj, prefix), tensors
 
+
 def join_tensors(skeleton: Any, tensors: dict[str, Tensor]) -> Any:
     """Inverse of `split_tensors`."""
     if isinstance(skeleton, dict):
@@ -64,12 +66,14 @@ def join_tensors(skeleton: Any, tensors: dict[str, Tensor]) -> Any:
         return tuple(join_tensors(v, tensors) for v in skeleton)
     return skeleton
 
+
 def join_checked(path: Path, skeleton: Any, tensors: dict[str, Tensor]) -> Any:
     """`join_tensors`, with a skeleton that names a tensor the files lack reported as a `CheckpointError`."""
     try:
         return join_tensors(skeleton, tensors)
     except KeyError as exc:
         raise CheckpointError(f"checkpoint {path}: {META_FILE} names tensor {exc} that the shards lack") from None
+
 
 def tensor_names(skeleton: Any) -> list[str]:
     """The tensor keys a skeleton (from `split_tensors`) refers to."""
@@ -93,6 +97,7 @@ _META_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "config": ((dict, type(None)), False),
     "module_class": ((str, type(None)), False),
 }
+
 
 def check_meta(path: Path, meta: Any) -> dict[str, Any]:
     """``ember.pt``'s fields have the types ember wrote; anything else is a `CheckpointError` naming the field."""
@@ -126,6 +131,7 @@ def check_meta(path: Path, meta: Any) -> dict[str, Any]:
                 f"{kind.__name__}; the file is damaged or not ember's"
             )
     return meta
+
 
 #: Entries of ``ember.pt``'s state whose container type ember knows (the registry's built-in entries).
 _STATE_ENTRIES: dict[str, type] = {

@@ -27,6 +27,7 @@ CHECKPOINT_SUBDIR = "checkpoints"
 #: The largest ``last`` file read (it holds one directory name).
 _POINTER_BYTES = 4096
 
+
 def read_pointer(pointer: Path) -> Path:
     """The checkpoint a ``last`` file names: a sibling directory name, nothing else (no path, no ``..``)."""
     data = read_regular(pointer, f"checkpoint pointer {pointer}", limit=_POINTER_BYTES)
@@ -40,6 +41,7 @@ def read_pointer(pointer: Path) -> Path:
         )
     return pointer.parent / name
 
+
 def resolve_path(path: Path) -> Path:
     """A checkpoint given by the user: its directory, or a ``last`` file (the one it names); checked complete."""
     if path.name == LAST_FILE:
@@ -50,11 +52,13 @@ def resolve_path(path: Path) -> Path:
     check_complete(path)
     return path
 
+
 def checkpoints_in(directory: Path) -> list[Path]:
     """Checkpoint directories in `directory` (temporary ones excluded), not yet checked."""
     if not directory.is_dir():
         return []
     return [p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / META_FILE).exists()]
+
 
 def newest_valid(directory: Path, resumable: bool = False) -> Path | None:
     """The checkpoint ``last`` names, or, when that one is missing or unusable, the newest valid other one.
@@ -183,7 +187,7 @@ def find_best(
     last = find_last(folders, versions_newest_first(run_root) if versions is None else versions)
     if last is not None:
         saved = read_meta(last[0])["state"].get("callbacks", {})
-        for key, value in (saved.items() if isinstance(saved, dict) else ()):
+        for key, value in saved.items() if isinstance(saved, dict) else ():
             best = value.get("best_model_path") if isinstance(value, dict) else None
             if str(key).startswith("ModelCheckpoint") and isinstance(best, str) and best:
                 return resolve_path(last[0].parent / Path(best).name)
@@ -219,7 +223,7 @@ def summarize(checkpoint: Path) -> dict[str, Any]:
         summary = {"epoch": progress.get("epoch"), "global_step": progress.get("global_step")}
     monitored: dict[str, float] = {}
     callbacks = state.get("callbacks", {}) if isinstance(state, dict) else {}
-    for key, value in (callbacks.items() if isinstance(callbacks, dict) else ()):
+    for key, value in callbacks.items() if isinstance(callbacks, dict) else ():
         monitor = _MONITOR.search(str(key))
         kept = value.get("kept") if isinstance(value, dict) else None
         if not str(key).startswith("ModelCheckpoint") or monitor is None or not isinstance(kept, dict):
@@ -228,6 +232,21 @@ def summarize(checkpoint: Path) -> dict[str, Any]:
         if isinstance(score, (int, float)):
             monitored[monitor.group(1)] = float(score)
     return {**summary, "monitored": monitored}
+
+
+def recorded_best(checkpoint: Path) -> tuple[str, str, Any] | None:
+    """The best checkpoint the first ``ModelCheckpoint`` had recorded when `checkpoint` was written:
+    (its state key, the best path, the best score); None when there is none or the metadata is unreadable."""
+    try:
+        state = read_meta(checkpoint)["state"]
+    except CheckpointError:
+        return None
+    callbacks = state.get("callbacks", {}) if isinstance(state, dict) else {}
+    for key, value in callbacks.items() if isinstance(callbacks, dict) else ():
+        if str(key).startswith("ModelCheckpoint") and isinstance(value, dict):
+            best = value.get("best_model_path")
+            return (str(key), str(best), value.get("best_model_score")) if best else None
+    return None
 
 
 def describe(checkpoint: Path) -> str:

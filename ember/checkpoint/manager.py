@@ -220,5 +220,3 @@ def _telling_loggers(trainer: Trainer, on_done: OnDone | None) -> OnDone:
             on_done(path)
 
     return done
-
-

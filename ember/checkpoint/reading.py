@@ -39,6 +39,7 @@ def read_metadata(path: Path) -> Any:
         raise CheckpointError(f"checkpoint {path}: .metadata is not torch.distributed.checkpoint metadata")
     return metadata
 
+
 def _load_safe(file: Path) -> Any:
     data = read_regular(file, f"checkpoint {file.parent}")
     try:
@@ -49,17 +50,20 @@ def _load_safe(file: Path) -> Any:
             f"checkpoint {file.parent}: {file.name} is corrupt or holds something other than plain data ({first_line})"
         ) from None
 
+
 def read_meta(path: Path) -> dict[str, Any]:
     """Read and check ``ember.pt`` (format version and field types included)."""
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist (expected a checkpoint directory)")
     return check_meta(path, _load_safe(path / META_FILE))
 
+
 def read_rank_meta(path: Path, rank: int = 0) -> dict[str, Any]:
     meta = _load_safe(path / f"rank-{rank}.pt")
     if not isinstance(meta, dict):
         raise CheckpointError(f"checkpoint {path}: rank-{rank}.pt is not an ember checkpoint file")
     return meta
+
 
 def read_tensors(path: Path, keys: Callable[[str], bool] = lambda _k: True) -> dict[str, Tensor]:
     """Load the tensors whose key passes `keys`, into freshly allocated CPU tensors."""
@@ -85,6 +89,7 @@ def read_tensors(path: Path, keys: Callable[[str], bool] = lambda _k: True) -> d
         ) from None
     return template
 
+
 def _check_shard_files(path: Path, metadata: Any) -> None:
     """Every tensor's bytes must lie inside an existing regular shard file (catches truncation, deletion and
     planted FIFOs) in the checkpoint directory itself."""
@@ -101,11 +106,13 @@ def _check_shard_files(path: Path, metadata: Any) -> None:
         if mode.st_size < info.offset + info.length:
             raise CheckpointError(f"checkpoint {path}: shard {name} is truncated")
 
+
 def read_module_state(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """(ember.pt content, the module's state dict) without reading optimizer state."""
     meta = read_meta(path)
     tensors = read_tensors(path, keys=lambda key: key.startswith("/module/"))
     return meta, join_checked(path, meta["tensor_skeleton"]["module"], tensors)
+
 
 def check_complete(path: Path) -> dict[str, Any]:
     """Cheap validation of a checkpoint directory (metadata, shards, ember.pt); returns its meta."""
@@ -119,6 +126,7 @@ def check_complete(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: {META_FILE} names tensors the shards lack ({missing[:3]})")
     read_rank_meta(path, 0)
     return meta
+
 
 def load_weights_into(
     module: Any, state: dict[str, Tensor], path: Path, module_class: str | None, load: Any = None, hint: str = ""
@@ -145,6 +153,7 @@ def load_weights_into(
     else:
         module.load_state_dict(state)
 
+
 def mismatch_hint(meta: dict[str, Any], given_config: dict[str, Any] | None, hparams: dict[str, Any]) -> str:
     """What would make the module fit the checkpoint, as text to append to the error: for a run built from a
     config, the ``module.*`` overrides it was trained with; else the hyperparameters; "" when neither differs."""
@@ -168,6 +177,7 @@ def mismatch_hint(meta: dict[str, Any], given_config: dict[str, Any] | None, hpa
     overrides = " ".join(f"{key}={_as_override(value)}" for key, value in found)
     return f"; it was trained with other module settings: add the override(s) {overrides}"
 
+
 def _as_override(value: Any) -> str:
     """A value as it is written on the ``ember`` command line (YAML)."""
     import json
@@ -177,7 +187,9 @@ def _as_override(value: Any) -> str:
     except (TypeError, ValueError):
         return repr(value)
 
+
 _MISSING = object()
+
 
 def differences(saved: Any, given: Any, key: str = "") -> list[tuple[str, Any, Any]]:
     """``(dotted key, saved value, given value)`` for every leaf where two nested dicts differ (a value
@@ -192,11 +204,13 @@ def differences(saved: Any, given: Any, key: str = "") -> list[tuple[str, Any, A
         return []
     return [(key, None if saved is _MISSING else saved, None if given is _MISSING else given)]
 
+
 def _same(a: Any, b: Any) -> bool:
     try:
         return bool(a == b)
     except Exception:  # e.g. tensors of different shapes
         return False
+
 
 def _describe_keys(missing: list[str], unexpected: list[str], valid: list[str]) -> str:
     parts = []

@@ -393,7 +393,4 @@ def _config_differences(meta: dict[str, Any], trainer: Trainer, module: Training
         saved, now, prefix = meta.get("hparams"), dict(module.hparams), "hparams"
         if not isinstance(saved, dict):
             return []
-    return [
-        f"{key}: {old!r} in the checkpoint, {new!r} now"
-        for key, old, new in ckpt.differences(saved, now, prefix)
-    ]
+    return [f"{key}: {old!r} in the checkpoint, {new!r} now" for key, old, new in ckpt.differences(saved, now, prefix)]

@@ -34,18 +34,23 @@ def underlying(exc: BaseException) -> BaseException:
         return first[0] if isinstance(first, tuple) else first
     return exc
 
+
 #: From this many bytes of tensors per process, a checkpoint is written by several threads.
 _PARALLEL_WRITE_BYTES = 64 * 2**20
+
 
 def _bytes_of(tensors: dict[str, Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
+
 #: Room a checkpoint needs besides its tensors (ember.pt, rank files, metadata), for the free-space check.
 _SMALL_FILES_BYTES = 64 << 10
+
 
 def _free_bytes(directory: Path) -> int:
     stats = os.statvfs(directory)
     return stats.f_bavail * stats.f_frsize
+
 
 def _no_space(path: Path, needed: int) -> str:
     try:
@@ -58,6 +63,7 @@ def _no_space(path: Path, needed: int) -> str:
         "elsewhere (ModelCheckpoint(dirpath=...)), then resume with ckpt_path='last'"
     )
 
+
 def _check_space(tmp: Path, path: Path, needed: int) -> None:
     """Refuse a write that cannot fit before writing a byte (one process; `needed` is a lower bound)."""
     try:
@@ -66,6 +72,7 @@ def _check_space(tmp: Path, path: Path, needed: int) -> None:
         return
     if free < needed:
         raise CheckpointWriteError(_no_space(path, needed))
+
 
 def _raise_write_error(path: Path, exc: BaseException, needed: int = 0) -> NoReturn:
     """Re-raise a failed write as a `CheckpointWriteError` naming its first real cause (DCP wraps errors per
@@ -78,6 +85,7 @@ def _raise_write_error(path: Path, exc: BaseException, needed: int = 0) -> NoRet
     if isinstance(cause, Exception):
         raise CheckpointWriteError(f"writing checkpoint {path} failed: {type(cause).__name__}: {cause}") from cause
     raise exc
+
 
 def _guarded_writer(tmp: Path, threads: int) -> Any:
     """DCP's file writer, with every stream a `GuardedFile` (see there: a failed write must not
@@ -98,6 +106,7 @@ def _guarded_writer(tmp: Path, threads: int) -> Any:
     writer = dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True, thread_count=threads)
     writer.fs = GuardedFileSystem()
     return writer
+
 
 def _write_files(
     path: Path,
@@ -140,6 +149,7 @@ def _write_files(
         unsynced.append(file)
     return [] if sync else unsynced
 
+
 class StagedCheckpoint:
     """A one-process checkpoint whose files are written under a temporary name but not yet durable.
 
@@ -168,10 +178,12 @@ class StagedCheckpoint:
             _raise_write_error(self.path, exc)
         return self.path
 
+
 def _temporary_name(path: Path, pid: int) -> Path:
     """Where checkpoint `path` is written before it is complete: hidden, and named after the writing process
     (`_remove_abandoned_temporaries` deletes it once that process is gone)."""
     return path.with_name(f".{path.name}.tmp-{pid}")
+
 
 def _make_temporary(path: Path, tmp: Path) -> None:
     if path.exists():
@@ -180,6 +192,7 @@ def _make_temporary(path: Path, tmp: Path) -> None:
     _remove_abandoned_temporaries(path.parent)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+
 
 def stage_checkpoint(
     path: Path, meta: dict[str, Any], tensors: dict[str, Tensor], rank_meta: dict[str, Any], set_last: bool = False
@@ -196,6 +209,7 @@ def stage_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         _raise_write_error(path, exc, _bytes_of(tensors))
     return StagedCheckpoint(path, tmp, unsynced, set_last)
+
 
 def write_checkpoint(
     path: Path,
@@ -244,6 +258,7 @@ def write_checkpoint(
         raise CheckpointWriteError(f"writing checkpoint {path} failed on another process (its error says why)")
     _raise_write_error(path, failure, _bytes_of(tensors))
 
+
 def _broadcast_int(value: int, group: Any) -> int:
     import torch.distributed as dist
 
@@ -251,6 +266,7 @@ def _broadcast_int(value: int, group: Any) -> int:
     keep(box)
     dist.broadcast(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return int(box)
+
 
 def _any_failed(failure: BaseException | None, group: Any) -> bool:
     """Whether this or any other process of `group` failed (a collective: every process must call it)."""
@@ -260,6 +276,7 @@ def _any_failed(failure: BaseException | None, group: Any) -> bool:
     keep(flag)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag)
+
 
 def _remove_abandoned_temporaries(directory: Path) -> None:
     """Delete temporary checkpoint directories left by processes that died while writing."""
@@ -274,9 +291,11 @@ def _remove_abandoned_temporaries(directory: Path) -> None:
         except PermissionError:
             continue
 
+
 def point_last_at(checkpoint: Path) -> None:
     """Atomically make ``<dir>/last`` name `checkpoint` (a sibling directory)."""
     atomic_write(checkpoint.parent / LAST_FILE, checkpoint.name + "\n", sync_dir=True)
+
 
 def save_weights(path: Path, state_dict: dict[str, Tensor]) -> None:
     """One-file weights export (a ``torch.save``d state dict), written beside and renamed."""

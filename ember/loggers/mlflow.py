@@ -211,17 +211,10 @@ class MLflowLogger(Logger):
         client, run_id = self.experiment, self._require_run()
         path = Path(checkpoint_path).resolve()
         client.set_tag(run_id, "ember.last_checkpoint", str(path))
-        try:
-            callbacks = ckpt.read_meta(path).get("state", {}).get("callbacks", {})
-        except ckpt.CheckpointError:
-            return
-        for key, state in callbacks.items():
-            if not key.startswith("ModelCheckpoint") or not isinstance(state, dict):
-                continue
-            best = state.get("best_model_path")
-            if best and best != self._best:
-                self._record_best(Path(best).resolve(), state.get("best_model_score"), key)
-            return
+        recorded = ckpt.recorded_best(path)
+        if recorded is not None and recorded[1] != self._best:
+            key, best, score = recorded
+            self._record_best(Path(best).resolve(), score, key)
 
     def _record_best(self, best: Path, score: Any, key: str) -> None:
         client, run_id = self.experiment, self._require_run()

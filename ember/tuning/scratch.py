@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
 
+
 def check_supported(trainer: Trainer, what: str) -> None:
     """Raise for strategies a scratch run cannot undo (FSDP shards the module in place)."""
     from ember.strategies.fsdp import FSDPStrategy
