@@ -102,10 +102,26 @@ def run_ember(data: TensorDataset, epochs: int, accelerator: str) -> float:
 
 
 def relaunch(args: list[str], nproc: int) -> None:
-    """Not under torchrun: run this file again under it, `nproc` processes."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__, *args]
+    """Not under torchrun: run this file again under it, `nproc` processes. The child gets the other
+    arguments: torchrun's own parser reads ``--nproc`` after the script name as an abbreviation of its
+    ``--nproc-per-node`` and rejects it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__]
+    cmd += without_nproc(args)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     raise SystemExit(subprocess.call(cmd, env=env))
+
+
+def without_nproc(args: list[str]) -> list[str]:
+    """`args` without ``--nproc N`` / ``--nproc=N`` (what the relaunch already applied)."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            kept.append(arg)
+    return kept
 
 
 def main() -> None:

@@ -189,7 +189,10 @@ class Callback:
         """Called while a checkpoint is assembled; add entries to `checkpoint` if needed."""
 
     def on_load_checkpoint(self, trainer: Trainer, module: TrainingModule, checkpoint: dict[str, Any]) -> None:
-        """Called after a checkpoint is read, before its state is restored."""
+        """Called when ``fit(ckpt_path=...)`` resumes: after the checkpoint is read, before any of its state is
+        restored; `checkpoint` is its ``ember.pt`` content (``state``, ``hparams``, ``config``, what
+        `on_save_checkpoint` added). Not called when validate/test/predict load only the weights, nor by
+        `TrainingModule.load_from_checkpoint`."""
 
     def on_exception(self, trainer: Trainer, module: TrainingModule, exception: BaseException) -> None:
         """Called when fit/validate/test/predict raises, before `teardown`; the exception is re-raised."""

@@ -23,7 +23,8 @@ SHORT_RUNS = {
     "compile.py": ["--short"],
     "checkpoint.py": ["--short"],
     "small_checkpoint.py": ["--short"],
-    "ddp_overhead.py": ["--short"],  # starts itself under torchrun: 2 gloo processes
+    # starts itself under torchrun (2 gloo processes); --nproc is for the relaunch, not for torchrun
+    "ddp_overhead.py": ["--short", "--nproc", "2"],
     "cold_start.py": ["--repeats", "1"],
     # real_workloads.py --short: tests/integration/test_real_workloads.py (checks its figures as well)
 }
