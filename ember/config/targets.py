@@ -203,8 +203,6 @@ def _accepts(hint: Any, value: Any) -> bool | None:
     return False
 
 
-
-
 def check(loaded: LoadedConfig, config: dict[str, Any], command: str | None = None) -> None:
     """Check every ``_target_`` section of a resolved config before anything is built.
 

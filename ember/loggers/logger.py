@@ -61,6 +61,13 @@ class Logger:
             raise RuntimeError(f"{type(self).__name__} has no save_dir yet: pass one, or use it inside a Trainer")
         return self._save_dir
 
+    @property
+    def experiment(self) -> Any:
+        """The back end's own object (TensorBoard's ``SummaryWriter``, the W&B run, the MLflow client); a logger
+        without one (CSV) is its own: ``log_metrics``, ``log_hyperparams`` and ``save`` are its calls. So
+        ``for lg in self.loggers: lg.experiment...`` works with every logger, as in Lightning."""
+        return self
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Write metrics logged at optimizer step `step`."""
         raise NotImplementedError

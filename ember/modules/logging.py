@@ -125,6 +125,8 @@ class MetricCollector:
     prog_bar_names: set[str] = field(default_factory=set)
     #: Names logged with ``logger=False``: shown in the progress bar and callback metrics, never sent to loggers.
     not_for_loggers: set[str] = field(default_factory=set)
+    #: Names logged with both ``on_step`` and ``on_epoch`` (kept as ``name_step`` / ``name_epoch``), by plain name.
+    forked: dict[str, tuple[str, str]] = field(default_factory=dict)
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _batch_size: int = 1
     _sized_batch: Any = None
@@ -206,6 +208,8 @@ class MetricCollector:
         names = (
             [_insert_before_suffix(key, tag, suffix) for tag in ("_step", "_epoch")] if on_step and on_epoch else [key]
         )
+        if on_step and on_epoch:
+            self.forked[key] = (names[0], names[1])
         if prog_bar:
             self.prog_bar_names.update(names)
         if logger is False:
@@ -250,6 +254,9 @@ class MetricCollector:
         for k, e in self._entries.items():
             tags = ("_step", "_epoch") if e.on_step and e.on_epoch else ("",)
             names = {_insert_before_suffix(k, tag, _suffix_of(k)) for tag in tags}
+            if e.on_step and e.on_epoch:
+                step_name, epoch_name = (_insert_before_suffix(k, tag, _suffix_of(k)) for tag in tags)
+                self.forked[k] = (step_name, epoch_name)
             if e.prog_bar:
                 self.prog_bar_names.update(names)
             if not e.logger:

@@ -13,6 +13,7 @@ A module may also define any hook of `ember.Callback`, without the
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import warnings
@@ -30,7 +31,6 @@ from ember.modules.hparams import AttributeDict, collect_init_args
 from ember.modules.manual import ManualOptimization
 
 if TYPE_CHECKING:
-
     from ember.trainer.trainer import Trainer
 
 
@@ -50,6 +50,17 @@ class TrainingModule(DataHooks, ManualOptimization):
         self._trainer: Trainer | None = None
         self._hparams = AttributeDict()
         self._warned_no_trainer = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A step defined with fewer parameters than ember passes (``training_step(self, batch)``, as in
+        Lightning's own examples) gets only those: ember, like Lightning, reads the step's signature."""
+        super().__init_subclass__(**kwargs)
+        for name in _STEPS:
+            step = cls.__dict__.get(name)
+            if inspect.isfunction(step):
+                adapted = _fitted_to_signature(step)
+                if adapted is not step:
+                    setattr(cls, name, adapted)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # `self.metrics = {"acc": Accuracy(...)}` becomes a ModuleDict so the
@@ -78,6 +89,11 @@ class TrainingModule(DataHooks, ManualOptimization):
     def has_trainer(self) -> bool:
         """Whether a `Trainer` has run (or runs) this module."""
         return self._trainer is not None
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the module runs on a CUDA device (Lightning's ``self.on_gpu``)."""
+        return self.device.type == "cuda"
 
     @property
     def device(self) -> torch.device:
@@ -376,3 +392,25 @@ class TrainingModule(DataHooks, ManualOptimization):
     export_program = ExportMethod("export_program")
     to_safetensors = ExportMethod("export_safetensors")
     to_hf = ExportMethod("export_hf")
+
+
+#: The step hooks whose signature ember reads (`TrainingModule.__init_subclass__`).
+_STEPS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def _fitted_to_signature(step: Callable[..., Any]) -> Callable[..., Any]:
+    """`step` if it takes ``(self, batch, batch_idx[, dataloader_idx])`` or ``*args``; else a wrapper that passes
+    only as many positional arguments as it declares (``step(self, batch)`` gets the batch alone)."""
+    parameters = list(inspect.signature(step).parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+        return step
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    accepted = len(positional)  # self included
+    if accepted >= 4:
+        return step
+
+    @functools.wraps(step)
+    def fitted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return step(self, *args[: accepted - 1], **kwargs)
+
+    return fitted

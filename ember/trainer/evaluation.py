@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember import stages
+from ember.checkpoint.manager import info
 from ember.trainer.arguments import check_ckpt_path, split_datamodule
 from ember.trainer.data import as_list, batch_transfer, check_not_empty, limited, num_batches, resolve_loaders
 from ember.trainer.run import record_evaluation, running
@@ -37,14 +38,20 @@ class EvalProgress:
         self.num_batches = list(limits)
 
 
-def validate_in_fit(trainer: Trainer, module: TrainingModule, loaders: list[Any], limits: list[float]) -> None:
+def validate_in_fit(
+    trainer: Trainer, module: TrainingModule, loaders: list[Any], limits: list[float], sanity_check: bool = False
+) -> None:
     """Validation inside fit, leaving every random stream as it found it.
 
     Iterating a DataLoader without its own ``generator`` draws a seed from the
     global torch RNG, and a validation step may draw too; restoring the state
     keeps training (dropout, augmentation, shuffling) identical to a run that
-    never validates.
+    never validates. ``Trainer(lightning_rng=True)`` skips the restore, as Lightning does, except for the
+    sanity check, whose streams Lightning restores too.
     """
+    if trainer.options.lightning_rng and not sanity_check:
+        run_evaluation(trainer, module, "validation", loaders, limits)
+        return
     py_state, np_state = random.getstate(), _numpy_state()
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
@@ -125,15 +132,22 @@ def run_evaluation(
 def evaluate(
     trainer: Trainer,
     stage: stages.Stage,
-    module: TrainingModule,
+    module: TrainingModule | None,
     loaders: Any,
     datamodule: DataModule | None,
     ckpt_path: str | os.PathLike[str] | None,
 ) -> list[Any]:
-    """`Trainer.validate` / `test` / `predict`: the arguments checked, the weights loaded, one pass over the data."""
+    """`Trainer.validate` / `test` / `predict`: the arguments checked, the weights loaded, one pass over the data.
+
+    Without a module, as in Lightning: the trainer's most recent module (the fitted one), its datamodule when
+    no data is given, and, when no ``ckpt_path`` is given either, the best checkpoint of its `ModelCheckpoint`
+    if it recorded one (a line says so), else the module's current weights.
+    """
     loaders, datamodule = split_datamodule(stage.name, loaders, datamodule)
     check_ckpt_path(stage.name, ckpt_path)
     as_list(loaders)  # a wrong kind of data fails here, before any hook
+    if module is None:
+        module, datamodule, ckpt_path = _previous_run(trainer, stage, loaders, datamodule, ckpt_path)
     with running(trainer, stage, module, datamodule, ckpt_path):
         if trainer.ckpt_path is not None:
             trainer.checkpoints.load_weights(trainer, module, trainer.ckpt_path)
@@ -149,3 +163,27 @@ def evaluate(
         record_evaluation(trainer, stage, results)
         return results
     raise AssertionError("unreachable")  # pragma: no cover  (mypy: running re-raises)
+
+
+def _previous_run(
+    trainer: Trainer,
+    stage: stages.Stage,
+    loaders: Any,
+    datamodule: DataModule | None,
+    ckpt_path: str | os.PathLike[str] | None,
+) -> tuple[TrainingModule, DataModule | None, str | os.PathLike[str] | None]:
+    """What `evaluate` runs when no module is given: the trainer's most recent module and datamodule, and its
+    best checkpoint when no ``ckpt_path`` is given."""
+    module = trainer.run_state.module
+    if module is None:
+        raise ValueError(
+            f"{stage.name}: no module given and this trainer has run none; pass it: "
+            f"trainer.{stage.name}(module, dataloaders) (after fit, the fitted module is used)"
+        )
+    if loaders is None and datamodule is None:
+        datamodule = trainer.datamodule
+    best = next((cb.best_model_path for cb in trainer.checkpoint_callbacks if cb.best_model_path), None)
+    if ckpt_path is None and best:
+        info(trainer, f"{stage.name}: no module given: using the fitted module with its best checkpoint, {best}")
+        ckpt_path = "best"
+    return module, datamodule, ckpt_path

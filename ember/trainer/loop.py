@@ -270,7 +270,7 @@ class FitLoop:
             self.state.sanity_checking = True
             try:
                 hooks.on_sanity_check_start()
-                validate_in_fit(trainer, module, self.val_loaders, sanity_limits)
+                validate_in_fit(trainer, module, self.val_loaders, sanity_limits, sanity_check=True)
                 hooks.on_sanity_check_end()
             finally:
                 self.state.sanity_checking = False
@@ -318,8 +318,9 @@ class FitLoop:
         reporter.epoch_metrics.update(epoch_values)  # visible in on_train_epoch_end and to epoch schedulers
         hooks.on_train_epoch_end()
         reporter.log_epoch_metrics({**epoch_values, **collector.epoch_values()})  # + values logged in the hook
-        if module.automatic_optimization:
-            step_schedulers(self, "epoch")
+        if module.automatic_optimization:  # those that read no metric stepped after the last batch, if it ran
+            stepped = self.steps_epoch_schedulers_in_batches() and progress.batch_idx == plan.num_batches
+            step_schedulers(self, "epoch", plateau=True if stepped else None)
         progress.epoch += 1
         progress.batch_idx = 0
         at_boundary(trainer, module)
@@ -340,6 +341,7 @@ class FitLoop:
         step = self.resolve_step()
         log_every, log, step_metrics = trainer.log_every_n_steps, reporter.log_metrics, reporter.step_metrics
         see = collector.see
+        epoch_schedulers = self.steps_epoch_schedulers_in_batches()  # as in Lightning: before on_train_batch_end
         validate_after = self.validate_after if validates else None
         accumulate, last = plan.accumulate, plan.num_batches - 1  # plan.ends_window, inlined
         for batch_idx, batch in batches:
@@ -351,6 +353,8 @@ class FitLoop:
             steps_before = progress.global_step
             output = step(batch, batch_idx)
             progress.batch_idx = batch_idx + 1
+            if epoch_schedulers and batch_idx == last:
+                step_schedulers(self, "epoch", plateau=False)
             if progress.global_step != steps_before and progress.global_step % log_every == 0:
                 log(step_metrics())
             if batch_end is not None:
@@ -359,6 +363,14 @@ class FitLoop:
                 validate_after(batch_idx)
             if ((batch_idx + 1) % accumulate == 0 or batch_idx == last) and self.window_ended(batch_idx):
                 break
+
+    def steps_epoch_schedulers_in_batches(self) -> bool:
+        """Whether the epoch-interval schedulers that read no metric step right after the epoch's last batch,
+        before its ``on_train_batch_end``, as Lightning steps them: under automatic optimization, when the epoch's
+        length is known. Otherwise, and for ``ReduceLROnPlateau`` (which reads a metric of the epoch), or when
+        the epoch was cut short before its last batch, they step at the epoch's end, after
+        ``on_train_epoch_end``."""
+        return self.module.automatic_optimization and math.isfinite(self.plan.num_batches)
 
     def resolve_step(self) -> StepFn:
         """The function that trains one batch this epoch (see `run_batches`)."""

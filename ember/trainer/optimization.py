@@ -219,12 +219,15 @@ def finish_step(loop: FitLoop, optimizer: Optimizer, automatic: bool = True) -> 
         step_schedulers(loop, "step")
 
 
-def step_schedulers(loop: FitLoop, interval: str) -> None:
-    """Step every scheduler with this interval whose frequency divides the step/epoch count."""
+def step_schedulers(loop: FitLoop, interval: str, plateau: bool | None = None) -> None:
+    """Step every scheduler with this interval whose frequency divides the step/epoch count; with `plateau`
+    True or False, only those that do (or do not) read a monitored metric (``ReduceLROnPlateau``)."""
     trainer, state = loop.trainer, loop.state
     count = state.global_step if interval == "step" else state.epoch + 1
     for config in loop.lr_scheduler_configs:
         if config.interval != interval or count % config.frequency:
+            continue
+        if plateau is not None and config.needs_metric != plateau:
             continue
         if config.needs_metric:
             assert config.monitor is not None

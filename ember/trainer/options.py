@@ -74,6 +74,7 @@ class TrainerOptions:
     compile: Any = False  # True, False, or a mapping of torch.compile keywords
     profiler: Any = None  # "simple", "pytorch", a ProfilerConfig, a Profiler, or a mapping
     tune_cpu_allocator: bool = True  # glibc mmap/trim thresholds when a run starts (ember/strategies/allocator.py)
+    lightning_rng: bool = False  # validation in fit draws from the global RNG as Lightning's does (port checks)
 
     @property
     def max_time_s(self) -> float | None:
@@ -152,6 +153,8 @@ def check(options: TrainerOptions) -> None:
     check_val_check_interval(options.val_check_interval)
     if not isinstance(options.tune_cpu_allocator, bool):
         raise TypeError(f"tune_cpu_allocator={options.tune_cpu_allocator!r} must be True or False")
+    if not isinstance(options.lightning_rng, bool):
+        raise TypeError(f"lightning_rng={options.lightning_rng!r} must be True or False")
     clip = options.gradient_clip_val
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
         raise ValueError(f"gradient_clip_val={clip!r} must be a number >= 0 (0 or None: no clipping)")

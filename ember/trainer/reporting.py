@@ -39,7 +39,24 @@ class Reporter:
         return {**self.train_collector.step_values, **self.trainer.strategy.precision.step_metrics()}
 
     def callback_metrics(self) -> dict[str, float]:
-        return to_floats({**self.epoch_metrics, **self.step_metrics()})
+        """Epoch aggregates and the latest step values; a name logged with both ``on_step`` and ``on_epoch`` is
+        also there under its plain name, as in Lightning: its epoch value once an epoch (or an evaluation) ended,
+        its step value before that."""
+        values = {**self.epoch_metrics, **self.step_metrics()}
+        for collector in (self.train_collector, self.eval_collector):
+            for plain, (step_name, epoch_name) in collector.forked.items():
+                if epoch_name in values:
+                    values[plain] = values[epoch_name]
+                elif step_name in values and collector is self.train_collector:
+                    values[plain] = values[step_name]
+        return to_floats(values)
+
+    def start_run(self) -> None:
+        """A new fit/validate/test/predict: ``callback_metrics`` and ``logged_metrics`` show only its values
+        (as in Lightning, where ``trainer.test()`` after fit shows the test metrics alone)."""
+        self.epoch_metrics, self.logged, self.last_eval_metrics = {}, {}, {}
+        self.train_collector.start_epoch("train")
+        self.eval_collector.start_epoch("validation")
 
     def progress_bar_metrics(self) -> dict[str, float]:
         names = self.train_collector.prog_bar_names | self.eval_collector.prog_bar_names

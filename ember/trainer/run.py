@@ -31,7 +31,7 @@ from ember.modules.datamodule import DataModule
 from ember.modules.module import TrainingModule
 from ember.strategies import allocator, launcher
 from ember.trainer import signals
-from ember.trainer.setup import default_callbacks, resolve_loggers, run_name
+from ember.trainer.setup import default_callbacks, run_name
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -43,6 +43,8 @@ class RunState:
     the rest describes the current (or most recent) run. Written by this module alone."""
 
     run_dir: Path | None = None
+    #: Built from ``Trainer(logger=...)`` when the trainer is (so ``trainer.logger`` exists before fit, as in
+    #: Lightning); processes other than 0 drop them when their first run starts.
     loggers: list[Logger] = field(default_factory=list)
     loggers_resolved: bool = False
     #: The running entry point's name (`ember.stages`); None between runs.
@@ -83,6 +85,7 @@ def running(
     state = trainer.run_state
     state.stage, state.hooks, state.datamodule, state.module = stage.name, hooks, datamodule, module
     trainer.progress.begin_run()
+    trainer.reporter.start_run()
     module.trainer = trainer
     status = "failed"
     try:
@@ -113,7 +116,8 @@ def prepare(
     trainer.strategy.setup_environment()
     allocator.tune_cpu_allocator(options.tune_cpu_allocator)  # once per process, before the run allocates
     if not state.loggers_resolved:  # only process 0 logs; the others keep no loggers at all
-        state.loggers = resolve_loggers(options.logger) if trainer.is_global_zero else []
+        if not trainer.is_global_zero:
+            state.loggers = []
         state.loggers_resolved = True
     root = Path(options.default_root_dir) / (options.run_name or run_name(module))
     savers = [cb for cb in trainer.user_callbacks if isinstance(cb, ModelCheckpoint)]

@@ -37,7 +37,7 @@ from ember.trainer.loop import FitLoop, FitState, stop_point
 from ember.trainer.numerics import FiniteGuard
 from ember.trainer.reporting import Reporter
 from ember.trainer.run import RunState, running
-from ember.trainer.setup import record_hyperparameters
+from ember.trainer.setup import record_hyperparameters, resolve_loggers
 
 if TYPE_CHECKING:
     from ember.tuning.profiler import Profiler, ProfilerConfig
@@ -58,6 +58,11 @@ class Trainer:
     (honoured once ``min_epochs`` epochs and ``min_steps`` steps are done).
     Every option is readable as an attribute (``trainer.max_epochs``) and, all
     together, as ``trainer.options``.
+
+    ``lightning_rng=True`` lets validation inside fit (not the sanity check) draw from the global
+    random streams as Lightning's does (each new DataLoader iterator draws a seed), for bit-for-bit checks of
+    a port against Lightning; by default ember's validation leaves every stream as it found it, so how often
+    a run validates never changes how it trains.
     """
 
     def __init__(
@@ -105,6 +110,7 @@ class Trainer:
         compile: bool | dict[str, Any] = False,
         profiler: str | ProfilerConfig | Profiler | dict[str, Any] | None = None,
         tune_cpu_allocator: bool = True,
+        lightning_rng: bool = False,
     ) -> None:
         #: The options as checked and normalised (fast_dev_run applied, defaults resolved); frozen.
         self.options = options.build({name: value for name, value in locals().items() if name != "self"})
@@ -118,7 +124,7 @@ class Trainer:
         #: Finds, writes (at step boundaries, in the background when asked) and restores checkpoints.
         self.checkpoints = CheckpointManager()
         #: What the runs set up: the run directory, loggers, hooks, the module as prepared (`run.RunState`).
-        self.run_state = RunState()
+        self.run_state = RunState(loggers=resolve_loggers(self.options.logger))
         self._fit_state = FitState()
         self._eval_progress = EvalProgress()
         self._fit_loop: FitLoop | None = None
@@ -180,7 +186,8 @@ class Trainer:
 
     @property
     def loggers(self) -> list[Logger]:
-        """The loggers (empty before the first run, and on every process but 0)."""
+        """The loggers ``Trainer(logger=...)`` asked for (TensorBoard and CSV by default); empty on every process
+        but 0 once a run started there."""
         return self.run_state.loggers
 
     @property
@@ -383,7 +390,7 @@ class Trainer:
 
     def validate(
         self,
-        module: TrainingModule,
+        module: TrainingModule | None = None,
         dataloaders: Any = None,
         ckpt_path: str | os.PathLike[str] | None = None,
         *,
@@ -393,13 +400,14 @@ class Trainer:
 
         ``ckpt_path`` (a path, ``"last"`` or ``"best"``) loads those weights first. The parameters follow
         Lightning's order (``trainer.validate(module, loader, "best")``); a DataModule may be passed in place of
-        the dataloaders.
+        the dataloaders. Without a module (after fit), the fitted module is used, with the best checkpoint of
+        its `ModelCheckpoint` unless ``ckpt_path`` says otherwise, and its datamodule unless data is given.
         """
         return evaluate(self, stages.VALIDATE, module, dataloaders, datamodule, ckpt_path)
 
     def test(
         self,
-        module: TrainingModule,
+        module: TrainingModule | None = None,
         dataloaders: Any = None,
         ckpt_path: str | os.PathLike[str] | None = None,
         *,
@@ -410,7 +418,7 @@ class Trainer:
 
     def predict(
         self,
-        module: TrainingModule,
+        module: TrainingModule | None = None,
         dataloaders: Any = None,
         ckpt_path: str | os.PathLike[str] | None = None,
         *,

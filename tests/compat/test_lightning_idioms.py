@@ -1,0 +1,310 @@
+"""Idioms of real LightningModules that must run on ember with only the imports changed (each found failing or
+silently different when real public modules were ported), checked against Lightning itself where it runs here.
+
+Each test writes the module once, on a base class it is given, and trains it with both frameworks where the
+comparison is the point.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+
+pl = pytest.importorskip("lightning", reason="compares ember with Lightning; install it (it is in the dev extra)")
+
+QUIET_LIGHTNING: dict[str, Any] = {
+    "accelerator": "cpu",
+    "devices": 1,
+    "logger": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "enable_checkpointing": False,
+}
+QUIET_EMBER: dict[str, Any] = {
+    "logger": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "enable_checkpointing": False,
+}
+
+
+def _data(n: int = 32, batch_size: int = 8, seed: int = 0) -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=batch_size)
+
+
+def _regressor(base: type, **methods: Any) -> Any:
+    """A small regression module on `base`, with `methods` added or replacing the defaults; seeded parameters."""
+
+    def __init__(self: Any) -> None:
+        base.__init__(self)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def configure_optimizers(self: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    namespace = {"__init__": __init__, "configure_optimizers": configure_optimizers, **methods}
+    cls = type(f"Regressor{base.__name__}", (base,), namespace)
+    torch.manual_seed(0)
+    return cls()
+
+
+def _loss(self: Any, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(self.net(x), y)
+
+
+# --- 1. training_step(self, batch): Lightning reads the signature -------------------------------------------
+def test_steps_without_batch_idx_train_as_in_lightning() -> None:
+    def training_step(self: Any, batch: Any) -> torch.Tensor:
+        loss = _loss(self, batch)
+        self.log("loss", loss)
+        return loss
+
+    def validation_step(self: Any, batch: Any) -> None:
+        self.log("val_loss", _loss(self, batch))
+
+    def test_step(self: Any, batch: Any) -> None:
+        self.log("test_loss", _loss(self, batch))
+
+    def predict_step(self: Any, batch: Any) -> torch.Tensor:
+        return self.net(batch[0])
+
+    steps = {"training_step": training_step, "validation_step": validation_step, "test_step": test_step}
+    results = {}
+    for base, trainer in (
+        (pl.LightningModule, pl.Trainer(max_epochs=2, num_sanity_val_steps=0, **QUIET_LIGHTNING)),
+        (ember.TrainingModule, ember.Trainer(max_epochs=2, num_sanity_val_steps=0, **QUIET_EMBER)),
+    ):
+        module = _regressor(base, **steps, predict_step=predict_step)
+        trainer.fit(module, _data(), _data(seed=1))
+        tested = trainer.test(module, _data(seed=2), verbose=False) if base is pl.LightningModule else None
+        tested = tested or trainer.test(module, _data(seed=2))
+        predicted = torch.cat(trainer.predict(module, _data(seed=3)))
+        results[base] = (dict(module.named_parameters()), tested[0]["test_loss"], predicted)
+    lightning, ours = results[pl.LightningModule], results[ember.TrainingModule]
+    for name, value in lightning[0].items():
+        assert torch.equal(value, ours[0][name]), name
+    assert math.isclose(lightning[1], ours[1], rel_tol=1e-6)
+    assert torch.equal(lightning[2], ours[2])
+
+
+def test_a_step_may_still_call_another_step_with_or_without_batch_idx() -> None:
+    def training_step(self: Any, batch: Any) -> torch.Tensor:
+        return _loss(self, batch)
+
+    def validation_step(self: Any, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.training_step(batch, batch_idx) + self.training_step(batch))
+
+    module = _regressor(ember.TrainingModule, training_step=training_step, validation_step=validation_step)
+    trainer = ember.Trainer(max_epochs=1, **QUIET_EMBER)
+    trainer.fit(module, _data(), _data(seed=1))
+    assert "val_loss" in trainer.callback_metrics
+
+
+# --- 2. self.on_gpu ---------------------------------------------------------------------------------------------
+def test_on_gpu_says_whether_the_module_runs_on_cuda() -> None:
+    module = _regressor(ember.TrainingModule)
+    assert module.on_gpu is False
+    seen = []
+
+    def training_step(self: Any, batch: Any, batch_idx: int) -> torch.Tensor:
+        seen.append(self.on_gpu)
+        return _loss(self, batch)
+
+    ember.Trainer(max_steps=1, **QUIET_EMBER).fit(
+        _regressor(ember.TrainingModule, training_step=training_step), _data()
+    )
+    assert seen == [False]
+
+
+# --- 3. the plain name of a metric logged on_step and on_epoch ----------------------------------------------------
+def _forked_metrics(base: type) -> Any:
+    def training_step(self: Any, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = _loss(self, batch)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self: Any, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", _loss(self, batch), on_step=True, on_epoch=True)
+
+    return _regressor(base, training_step=training_step, validation_step=validation_step)
+
+
+def test_a_forked_metric_is_in_callback_metrics_under_its_plain_name_as_in_lightning() -> None:
+    lightning = pl.Trainer(max_epochs=2, num_sanity_val_steps=0, **QUIET_LIGHTNING)
+    lightning.fit(_forked_metrics(pl.LightningModule), _data(), _data(seed=1))
+    ours = ember.Trainer(max_epochs=2, num_sanity_val_steps=0, **QUIET_EMBER)
+    ours.fit(_forked_metrics(ember.TrainingModule), _data(), _data(seed=1))
+    theirs = {k: float(v) for k, v in lightning.callback_metrics.items()}
+    assert set(ours.callback_metrics) == set(theirs)
+    for name, value in theirs.items():
+        assert math.isclose(ours.callback_metrics[name], value, rel_tol=1e-6), name
+    assert ours.callback_metrics["val_loss"] == ours.callback_metrics["val_loss_epoch"]
+
+
+def test_early_stopping_monitors_the_plain_name_of_a_forked_metric() -> None:
+    stop = ember.callbacks.EarlyStopping(monitor="val_loss", patience=1, min_delta=1e9)
+    trainer = ember.Trainer(max_epochs=5, num_sanity_val_steps=0, callbacks=[stop], **QUIET_EMBER)
+    trainer.fit(_forked_metrics(ember.TrainingModule), _data(), _data(seed=1))
+    assert trainer.current_epoch == 2, "no improvement of 1e9 after the first epoch: stops after the second"
+
+
+# --- 4. trainer.logger exists before fit --------------------------------------------------------------------------
+def test_the_default_loggers_exist_before_fit() -> None:
+    trainer = ember.Trainer(enable_progress_bar=False)
+    assert trainer.logger is not None and type(trainer.logger).__name__ == "TensorBoardLogger"
+    assert [type(lg).__name__ for lg in trainer.loggers] == ["TensorBoardLogger", "CSVLogger"]
+    assert ember.Trainer(logger=False).logger is None
+    given = ember.loggers.CSVLogger()
+    assert ember.Trainer(logger=given).loggers == [given]
+
+
+# --- 5. logger.experiment on every logger ----------------------------------------------------------------------------
+def test_every_logger_has_an_experiment() -> None:
+    seen: list[tuple[Any, Any]] = []
+
+    def on_train_start(self: Any) -> None:
+        for logger in self.loggers:
+            seen.append((logger, logger.experiment))
+
+    module = _regressor(
+        ember.TrainingModule, training_step=lambda self, b, i: _loss(self, b), on_train_start=on_train_start
+    )
+    ember.Trainer(max_steps=1, enable_progress_bar=False, enable_checkpointing=False).fit(module, _data())
+    from torch.utils.tensorboard import SummaryWriter
+
+    (tensorboard, writer), (csv, its_own) = seen
+    assert isinstance(writer, SummaryWriter), "TensorBoard's: add_scalar, add_image, ..."
+    assert its_own is csv and callable(csv.experiment.log_metrics), "a CSV logger is its own experiment"
+
+
+# --- 7. validate / test / predict with no module after fit ------------------------------------------------------
+def test_test_after_fit_without_a_module_uses_the_fitted_module_and_its_best_checkpoint(capsys: Any) -> None:
+    def validation_step(self: Any, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", _loss(self, batch))
+
+    def test_step(self: Any, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", _loss(self, batch))
+
+    steps = {"training_step": lambda self, b, i: _loss(self, b), "validation_step": validation_step}
+    module = _regressor(
+        ember.TrainingModule, **steps, test_step=test_step, predict_step=lambda self, b, i: self.net(b[0])
+    )
+    saver = ember.callbacks.ModelCheckpoint(monitor="val_loss")
+    trainer = ember.Trainer(max_epochs=3, callbacks=[saver], logger=False, enable_progress_bar=False)
+    trainer.fit(module, _data(), _data(seed=1))
+    capsys.readouterr()
+    best = trainer.test(dataloaders=_data(seed=2))
+    assert "best checkpoint" in capsys.readouterr().err
+    assert (
+        trainer.ckpt_path is not None
+        and trainer.ckpt_path.name == __import__("pathlib").Path(saver.best_model_path).name
+    )
+    current = trainer.test(module, _data(seed=2))  # the module passed: its current weights
+    assert best[0]["test_loss"] != current[0]["test_loss"] or saver.best_model_path.endswith("epoch=2-step=12")
+    assert len(trainer.predict(dataloaders=_data(seed=3))) == 4
+    assert set(trainer.validate(dataloaders=_data(seed=1))[0]) == {"val_loss"}
+
+
+def test_evaluating_without_a_module_before_any_run_says_what_to_pass() -> None:
+    with pytest.raises(ValueError, match=r"trainer.test\(module, dataloaders\)"):
+        ember.Trainer(logger=False).test(dataloaders=_data())
+
+
+# --- 9. Lightning's random streams, on request ------------------------------------------------------------------
+def _dropout_module(base: type) -> Any:
+    def __init__(self: Any) -> None:
+        base.__init__(self)
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 1))
+
+    def training_step(self: Any, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = _loss(self, batch)
+        self.log("loss", loss)
+        return loss
+
+    def validation_step(self: Any, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", _loss(self, batch))
+
+    def configure_optimizers(self: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    cls = type("DropoutNet", (base,), {"__init__": __init__, "training_step": training_step,
+                                       "validation_step": validation_step, "configure_optimizers": configure_optimizers})  # fmt: skip
+    torch.manual_seed(0)
+    return cls()
+
+
+def _shuffled(seed: int = 0) -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(32, 4, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8, shuffle=True)
+
+
+@pytest.mark.parametrize("lightning_rng", [True, False])
+def test_lightning_rng_reproduces_lightnings_stream_bit_for_bit(lightning_rng: bool) -> None:
+    torch.manual_seed(1)
+    lightning = _dropout_module(pl.LightningModule)
+    torch.manual_seed(1)
+    pl.Trainer(max_epochs=3, **QUIET_LIGHTNING).fit(lightning, _shuffled(), _data(seed=1))
+    ours = _dropout_module(ember.TrainingModule)
+    torch.manual_seed(1)
+    ember.Trainer(max_epochs=3, lightning_rng=lightning_rng, **QUIET_EMBER).fit(ours, _shuffled(), _data(seed=1))
+    same = all(torch.equal(p, q) for p, q in zip(lightning.parameters(), ours.parameters(), strict=True))
+    assert same == lightning_rng, "only with lightning_rng=True does validation draw where Lightning's does"
+
+
+# --- 10. callback_metrics after test() ---------------------------------------------------------------------------
+def test_callback_metrics_after_test_hold_the_test_metrics_only_as_in_lightning() -> None:
+    def training_step(self: Any, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = _loss(self, batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def test_step(self: Any, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", _loss(self, batch))
+
+    names = {}
+    for base, trainer in (
+        (pl.LightningModule, pl.Trainer(max_epochs=1, **QUIET_LIGHTNING)),
+        (ember.TrainingModule, ember.Trainer(max_epochs=1, **QUIET_EMBER)),
+    ):
+        module = _regressor(base, training_step=training_step, test_step=test_step)
+        trainer.fit(module, _data())
+        trainer.test(module, _data(seed=2), **({"verbose": False} if base is pl.LightningModule else {}))
+        names[base] = set(trainer.callback_metrics)
+    assert names[ember.TrainingModule] == names[pl.LightningModule] == {"test_loss"}
+
+
+# --- 12. epoch schedulers step before the last batch's on_train_batch_end --------------------------------------------
+def test_an_epoch_scheduler_steps_where_lightnings_does() -> None:
+    def configure_optimizers(self: Any) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+
+    def record(self: Any, *args: Any) -> None:
+        self.seen.append(self.optimizers().param_groups[0]["lr"] if not hasattr(self.optimizers(), "optimizer")
+                         else self.optimizers().optimizer.param_groups[0]["lr"])  # fmt: skip
+
+    seen = {}
+    for base, trainer in (
+        (pl.LightningModule, pl.Trainer(max_epochs=2, **QUIET_LIGHTNING)),
+        (ember.TrainingModule, ember.Trainer(max_epochs=2, **QUIET_EMBER)),
+    ):
+        hooks = {"on_train_batch_end": record, "on_train_epoch_end": record}
+        module = _regressor(
+            base, training_step=lambda self, b, i: _loss(self, b), configure_optimizers=configure_optimizers, **hooks
+        )
+        module.seen = []
+        trainer.fit(module, _data())
+        seen[base] = module.seen
+    assert seen[ember.TrainingModule] == seen[pl.LightningModule]
+    assert seen[ember.TrainingModule][3:5] == [0.05, 0.05], "the last batch's on_train_batch_end sees the stepped lr"
