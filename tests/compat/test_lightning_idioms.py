@@ -182,7 +182,7 @@ def test_every_logger_has_an_experiment() -> None:
     ember.Trainer(max_steps=1, enable_progress_bar=False, enable_checkpointing=False).fit(module, _data())
     from torch.utils.tensorboard import SummaryWriter
 
-    (tensorboard, writer), (csv, its_own) = seen
+    (_, writer), (csv, its_own) = seen
     assert isinstance(writer, SummaryWriter), "TensorBoard's: add_scalar, add_image, ..."
     assert its_own is csv and callable(csv.experiment.log_metrics), "a CSV logger is its own experiment"
 
@@ -237,8 +237,8 @@ def _dropout_module(base: type) -> Any:
     def configure_optimizers(self: Any) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
-    cls = type("DropoutNet", (base,), {"__init__": __init__, "training_step": training_step,
-                                       "validation_step": validation_step, "configure_optimizers": configure_optimizers})  # fmt: skip
+    methods = {"__init__": __init__, "training_step": training_step, "validation_step": validation_step}
+    cls = type("DropoutNet", (base,), {**methods, "configure_optimizers": configure_optimizers})
     torch.manual_seed(0)
     return cls()
 
