@@ -16,7 +16,7 @@ import argparse
 import sys
 from typing import Any
 
-from ember.config.schema import ConfigError
+from ember.config.errors import ConfigError
 
 TUNE_EPILOG = """\
 overrides: key=value or --key=value, as for `ember fit`. The finders train on the config's training

@@ -40,7 +40,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from ember.config.schema import ConfigError
+from ember.config.errors import ConfigError
 from ember.tuning.space import SweepSpace, override
 from ember.tuning.sweep_report import FINISHED, SweepResult, report
 
