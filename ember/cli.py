@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ember", description="Run an ember TrainingModule from YAML configs.", allow_abbrev=False
     )
-    from ember import __version__
+    from ember.version import __version__
 
     parser.add_argument("--version", action="version", version=f"ember {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
