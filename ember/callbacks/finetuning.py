@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
 
+
 class BackboneFinetuning(Callback):
     """Freeze ``module.<backbone_attr>`` when fit starts; unfreeze it at epoch `unfreeze_at_epoch`.
 

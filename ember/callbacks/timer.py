@@ -38,9 +38,7 @@ def parse_duration(value: float | str | timedelta | dict[str, int], label: str |
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
     if seconds is None or not seconds > 0:
-        raise ValueError(
-            f"{label}: use a positive duration: seconds (> 0), 'DD:HH:MM:SS', a timedelta or a dict"
-        )
+        raise ValueError(f"{label}: use a positive duration: seconds (> 0), 'DD:HH:MM:SS', a timedelta or a dict")
     return seconds
 
 

@@ -213,5 +213,3 @@ def _check_tokenizer(transformers: Any, target: Path, tokenizer: Any, written: P
             f"hf export check failed: {target}: AutoTokenizer.from_pretrained encodes a sample text to other ids "
             f"({list(theirs)[:8]}... instead of {list(ours)[:8]}...); the directory was not written"
         )
-
-

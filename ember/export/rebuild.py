@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 #: How many rows of a data batch become the example input.
 EXAMPLE_ROWS = 4
 
+
 def find_checkpoint(ckpt: str, config: dict[str, Any] | None, module_class: str | None = None) -> Path:
     """The checkpoint directory ``--ckpt`` names: a path (a checkpoint directory or a ``last`` file), or
     ``last``: the newest complete checkpoint of the run the config (or the ``--module`` class) names."""

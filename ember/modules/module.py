@@ -30,7 +30,6 @@ from ember.modules.hparams import AttributeDict, collect_init_args
 from ember.modules.manual import ManualOptimization
 
 if TYPE_CHECKING:
-
     from ember.trainer.trainer import Trainer
 
 

@@ -116,9 +116,7 @@ def parse_optimizers(returned: Any, parameters: list[nn.Parameter] | None = None
         return OptimizerSetup([NoOptimizer(list(parameters or []))], [])
     if _is_two_lists(returned):
         given_optimizers, given_schedulers = returned
-        scheduler_values = (
-            list(given_schedulers) if isinstance(given_schedulers, (list, tuple)) else [given_schedulers]
-        )
+        scheduler_values = list(given_schedulers) if isinstance(given_schedulers, (list, tuple)) else [given_schedulers]
         setup = parse_optimizers(list(given_optimizers))
         setup.schedulers = [_parse_scheduler(value) for value in scheduler_values]
         return setup

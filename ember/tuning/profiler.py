@@ -339,7 +339,6 @@ class _ProfilerCallback(Callback):
         else:
             self.profiler._phase("teardown")
 
-
     def on_validation_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._eval_start(trainer, "validation")
 
@@ -386,5 +385,3 @@ def resolve_profiler(value: Any) -> Profiler | None:
             raise ValueError(f"profiler: unknown option {unknown[0]!r}; ProfilerConfig takes: {', '.join(fields)}")
         return Profiler(ProfilerConfig(**value))
     raise TypeError(f"profiler must be 'simple', 'pytorch', a ProfilerConfig, a Profiler or None; got {value!r}")
-
-
