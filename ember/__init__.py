@@ -10,7 +10,6 @@ from ember.modules.datamodule import DataModule
 from ember.modules.module import TrainingModule
 from ember.seed import seed_everything
 from ember.trainer.trainer import Trainer
-
-__version__ = "0.1.0"
+from ember.version import __version__
 
 __all__ = ["Callback", "DataModule", "Trainer", "TrainingModule", "__version__", "seed_everything"]

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ember.commands import add_command, add_seed, build
+
 if TYPE_CHECKING:
     from ember.modules.datamodule import DataModule
     from ember.modules.module import TrainingModule
@@ -48,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ember", description="Run an ember TrainingModule from YAML configs.", allow_abbrev=False
     )
-    from ember import __version__
+    from ember.version import __version__
 
     parser.add_argument("--version", action="version", version=f"ember {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -83,33 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_command(
-    commands: Any,
-    name: str,
-    text: str,
-    description: str,
-    epilog: str,
-    config_help: str = "a YAML config; repeat to layer",
-) -> argparse.ArgumentParser:
-    """A subcommand of ``ember``, with the options they all have: ``-c/--config`` (repeatable) and ``--debug``."""
-    sub: argparse.ArgumentParser = commands.add_parser(
-        name,
-        help=text,
-        description=description,
-        epilog=epilog,
-        allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub.add_argument("-c", "--config", action="append", default=[], metavar="FILE", help=config_help)
-    sub.add_argument("--debug", action="store_true", help="show full tracebacks")
-    return sub
-
-
-def add_seed(sub: argparse.ArgumentParser) -> None:
-    """``--seed N``, for the subcommands that train or evaluate."""
-    sub.add_argument("--seed", type=int, metavar="N", help="seed everything with N (same as seed=N)")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ember`` and ``python -m ember``; returns the exit code."""
     from ember.checkpoint import CheckpointError, CheckpointWriteError
@@ -134,7 +109,9 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
     from ember import config
 
     if args.command == "export":
-        return export(args, overrides)
+        from ember.export.command import run as run_export
+
+        return run_export(args, overrides)
     if args.command in ("tune", "sweep"):
         from ember.tuning.cli import run as run_tuning
 
@@ -235,36 +212,6 @@ def _checkpoint_option(args: argparse.Namespace) -> str | None:
     return value
 
 
-def build(config: dict[str, Any]) -> tuple[Trainer, TrainingModule, DataModule]:
-    """Seed, then build the trainer (callbacks, loggers), the module and the data from a checked config.
-
-    The module gets the config's ``optimizer``/``lr_scheduler`` sections as ``optimizer_config``; the
-    trainer gets the whole config as ``run_config`` (saved as config.yaml, in checkpoints, as hparams).
-    """
-    import ember
-    from ember.config import ConfigError, instantiate
-
-    if config["seed"] is not None:
-        ember.seed_everything(config["seed"])
-    from ember.loggers.logger import Logger
-    from ember.strategies.strategy import Strategy
-
-    options = dict(config["trainer"])
-    bases = {"callbacks": ember.Callback, "logger": Logger, "strategy": Strategy}
-    for key, base in bases.items():
-        options[key] = instantiate(options[key], f"trainer.{key}", base=base)
-    try:
-        trainer = ember.Trainer(**options)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise ConfigError(f"trainer: {exc}") from exc
-    module = instantiate(config["module"], "module", base=ember.TrainingModule)
-    data = instantiate(config["data"], "data", base=ember.DataModule)
-    if config["optimizer"] is not None:
-        module.optimizer_config = {"optimizer": config["optimizer"], "lr_scheduler": config["lr_scheduler"]}
-    trainer.run_config = config
-    return trainer, module, data
-
-
 def run(command: str, trainer: Trainer, module: TrainingModule, data: DataModule, ckpt_path: str | None) -> None:
     """Call ``trainer.<command>`` and print a one-line summary from process 0.
 
@@ -314,52 +261,3 @@ def run(command: str, trainer: Trainer, module: TrainingModule, data: DataModule
 def _count(n: int, noun: str) -> str:
     """``"1 epoch"``, ``"2 epochs"``, ``"3 batches"``."""
     return f"{n} {noun}{('es' if noun in ('batch', 'process') else 's') * (n != 1)}"
-
-
-def export(args: argparse.Namespace, overrides: list[str]) -> int:
-    """``ember export``: find the checkpoint, rebuild its module, export and check; returns the exit code.
-
-    A failed export or check is one line on stderr and exit code 1; config mistakes raise `ConfigError`.
-    """
-    from ember import config
-    from ember.export import FORMATS, ExportError
-    from ember.export import export as export_module
-    from ember.export.rebuild import example_input, find_checkpoint, rebuild_module
-    from ember.trainer.setup import run_name
-
-    config.add_import_roots(args.config)
-    resolved = None
-    if args.config:
-        if args.module or args.trust_checkpoint:
-            option = "--module" if args.module else "--trust-checkpoint"
-            raise config.ConfigError(f"{option}: the -c config builds the module already; give one of them")
-        loaded = config.load(args.config, overrides)
-        resolved = config.resolve(loaded)
-        config.check(loaded, resolved)
-    elif overrides:
-        raise config.ConfigError(f"command line: {overrides[0]!r}: overrides change a config; give one with -c FILE")
-    start = time.perf_counter()
-    path = find_checkpoint(args.ckpt, resolved, args.module)
-    module, data_config = rebuild_module(path, resolved, args.module, args.trust_checkpoint)
-    example = example_input(module, (data_config or {}).get("data"))
-    name = args.name or (resolved or {}).get("trainer", {}).get("run_name") or run_name(type(module))
-    out = Path(args.out) / f"{name}{FORMATS[args.format]}"
-    try:
-        result = export_module(
-            module,
-            args.format,
-            out,
-            example,
-            dynamic_batch=not args.static_batch,
-            method=args.method,
-            atol=args.atol,
-            rtol=args.rtol,
-        )
-    except ExportError as exc:
-        if args.debug:
-            traceback.print_exc()
-        print(f"ember: error: {exc}", file=sys.stderr)
-        return 1
-    elapsed = time.perf_counter() - start
-    print(f"export done in {elapsed:.1f} s: {result.path} from {path} (checked: {result.describe_checks()})")
-    return 0

@@ -19,10 +19,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import IterableDataset
 
-import ember
 from ember import checkpoint as ckpt
 from ember.checkpoint import data_position, writing
 from ember.checkpoint.resume import capture_loader_generators, capture_rng
+from ember.version import __version__
 
 if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
@@ -256,7 +256,7 @@ def gather(
     states = {name: entries[name].state_dict() for name in names}
     skeleton, tensors = ckpt.split_tensors({k: states.pop(k) for k in _TENSOR_ENTRIES if k in states})
     meta: dict[str, Any] = {
-        "ember_version": ember.__version__,
+        "ember_version": __version__,
         "weights_only": weights_only,
         "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
         "optimizer_classes": [optimizer_class(opt) for opt in trainer.optimizers],

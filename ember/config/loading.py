@@ -20,7 +20,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
-from ember.config.schema import ConfigError, RunConfig, lookup, schema_type, split_key
+from ember.config.errors import ConfigError
+from ember.config.schema import RunConfig, lookup, schema_type, split_key
 from ember.config.targets import SCHEDULER_OPTIONS, accepted_names
 
 

@@ -18,10 +18,6 @@ from typing import Any
 from omegaconf import MISSING
 
 
-class ConfigError(Exception):
-    """A config or command-line mistake found before any work starts; ``str()`` is one line."""
-
-
 def _trainer_config() -> type:
     """The ``trainer`` section's schema, derived field for field from `ember.trainer.options.TrainerOptions`
     (the Trainer's keywords), so the YAML schema and the Python API cannot drift."""

@@ -1,10 +1,15 @@
-"""``ember export``'s options: the command runs no trainer; what it loads and checks is in `rebuild`."""
+"""``ember export``: its options and its run. The command runs no trainer; what it loads and checks is in `rebuild`."""
 
 from __future__ import annotations
 
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
 from typing import Any
 
-from ember.cli import add_command
+from ember.commands import add_command
 
 EXPORT_EPILOG = """\
 A checkpoint is data: nothing it names is imported or run. The module is built from the -c config (or
@@ -44,3 +49,52 @@ def add_export_parser(commands: Any) -> None:
     sub.add_argument("--static-batch", action="store_true", help="onnx, torch-export: fix the batch size")
     sub.add_argument("--atol", type=float, metavar="X", help="check tolerance, absolute (default 1e-4)")
     sub.add_argument("--rtol", type=float, metavar="X", help="check tolerance, relative (default 1e-4)")
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``ember export``: find the checkpoint, rebuild its module, export and check; returns the exit code.
+
+    A failed export or check is one line on stderr and exit code 1; config mistakes raise `ConfigError`.
+    """
+    from ember import config
+    from ember.export import FORMATS, ExportError
+    from ember.export import export as export_module
+    from ember.export.rebuild import example_input, find_checkpoint, rebuild_module
+    from ember.trainer.setup import run_name
+
+    config.add_import_roots(args.config)
+    resolved = None
+    if args.config:
+        if args.module or args.trust_checkpoint:
+            option = "--module" if args.module else "--trust-checkpoint"
+            raise config.ConfigError(f"{option}: the -c config builds the module already; give one of them")
+        loaded = config.load(args.config, overrides)
+        resolved = config.resolve(loaded)
+        config.check(loaded, resolved)
+    elif overrides:
+        raise config.ConfigError(f"command line: {overrides[0]!r}: overrides change a config; give one with -c FILE")
+    start = time.perf_counter()
+    path = find_checkpoint(args.ckpt, resolved, args.module)
+    module, data_config = rebuild_module(path, resolved, args.module, args.trust_checkpoint)
+    example = example_input(module, (data_config or {}).get("data"))
+    name = args.name or (resolved or {}).get("trainer", {}).get("run_name") or run_name(type(module))
+    out = Path(args.out) / f"{name}{FORMATS[args.format]}"
+    try:
+        result = export_module(
+            module,
+            args.format,
+            out,
+            example,
+            dynamic_batch=not args.static_batch,
+            method=args.method,
+            atol=args.atol,
+            rtol=args.rtol,
+        )
+    except ExportError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"ember: error: {exc}", file=sys.stderr)
+        return 1
+    elapsed = time.perf_counter() - start
+    print(f"export done in {elapsed:.1f} s: {result.path} from {path} (checked: {result.describe_checks()})")
+    return 0

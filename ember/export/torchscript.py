@@ -18,6 +18,7 @@ import torch
 from ember.export.checks import ExportError, ExportResult, compare_outputs, flatten_outputs, tolerances
 from ember.export.files import staged
 from ember.export.inputs import Inputs, batch_size, evaluating, example_inputs, reference_outputs
+from ember.strategies.strategy import keeps_default_forward, training_module_class
 
 if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
@@ -36,8 +37,6 @@ def export_torchscript(
 ) -> ExportResult:
     """Write `module` (in eval mode) as TorchScript at `path`, then check ``torch.jit.load(path)`` on the
     example input (`example_input` or ``module.example_input_array``) against the module."""
-    from ember.modules.module import TrainingModule
-
     if method not in METHODS:
         raise ExportError(f"torchscript method {method!r}: choose 'script' or 'trace'")
     target = Path(path)
@@ -45,7 +44,7 @@ def export_torchscript(
     atol, rtol = tolerances(atol, rtol)
     with evaluating(module):
         expected = reference_outputs(module, inputs)
-        uses_default_forward = type(module).forward is TrainingModule.forward
+        uses_default_forward = keeps_default_forward(module)
         with staged(target) as tmp:
             compiled = _compile(module, method, inputs, uses_default_forward)
             torch.jit.save(compiled, str(tmp))
@@ -98,9 +97,8 @@ def _jit_view(cls: type) -> type:
 def _jit_compatible(module: TrainingModule) -> Iterator[None]:
     """Give `module`, and any `TrainingModule` inside it, the class of `_jit_view` while TorchScript
     compiles or traces it."""
-    from ember.modules.module import TrainingModule
-
-    swapped = [(m, type(m)) for m in module.modules() if isinstance(m, TrainingModule)]
+    base = training_module_class()
+    swapped = [(m, type(m)) for m in module.modules() if base is not None and isinstance(m, base)]
     for m, cls in swapped:
         m.__class__ = _jit_view(cls)
     try:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.writer import FileWriter
 
-from ember.loggers.tensorboard import EventFile
+if TYPE_CHECKING:
+    from ember.loggers.tensorboard import EventFile
 
 
 class _EventFileWriter(FileWriter):

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from ember.strategies.parallel import ParallelStrategy
 from ember.strategies.precision import Precision
-from ember.strategies.strategy import compile_in_place
+from ember.strategies.strategy import compile_in_place, hook_takes_mesh
 
 
 def repeated_block_classes(module: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -132,8 +132,6 @@ class FSDPStrategy(ParallelStrategy):
 
         if self._module is module:  # sharded by an earlier fit/validate/test of this trainer
             return module
-        from ember.strategies.model_parallel import hook_takes_mesh
-
         # configure_model(device_mesh) is ModelParallelStrategy's hook (a tensor-parallel plan): not called here.
         build_on_meta = hook_takes_mesh(module) is False
         if build_on_meta:

@@ -10,7 +10,6 @@ one tensor-parallel group see the same batches; the data is split over the data-
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,7 +22,7 @@ from ember.strategies.collectives import keep
 from ember.strategies.fsdp import outermost_blocks, repeated_block_classes
 from ember.strategies.parallel import ParallelStrategy
 from ember.strategies.precision import Precision
-from ember.strategies.strategy import compile_in_place
+from ember.strategies.strategy import compile_in_place, hook_takes_mesh
 
 #: Names of the two mesh dimensions, outer (data parallel) first.
 MESH_DIM_NAMES = ("dp", "tp")
@@ -65,19 +64,6 @@ def check_size(name: str, value: Any) -> None:
     """A mesh size is a positive int or ``"auto"``."""
     if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name}={value!r}: use a positive number of processes or 'auto'")
-
-
-def hook_takes_mesh(module: nn.Module) -> bool | None:
-    """Whether ``module.configure_model`` takes a device mesh (True), takes nothing (False), or is absent (None)."""
-    hook = getattr(module, "configure_model", None)
-    if not callable(hook):
-        return None
-    try:
-        parameters = inspect.signature(hook).parameters.values()
-    except (TypeError, ValueError):
-        return True
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return any(p.kind in positional or p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters)
 
 
 def _is_dtensor(value: Any) -> bool:

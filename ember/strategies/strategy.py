@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import sys
 import weakref
 from typing import Any
 
@@ -37,10 +39,21 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def hook_takes_mesh(module: nn.Module) -> bool | None:
+    """Whether ``module.configure_model`` takes a device mesh (True), takes nothing (False), or is absent (None)."""
+    hook = getattr(module, "configure_model", None)
+    if not callable(hook):
+        return None
+    try:
+        parameters = inspect.signature(hook).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return any(p.kind in positional or p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters)
+
+
 def configure_model_once(module: nn.Module) -> None:
     """Call ``module.configure_model()`` (the form without a device mesh) the first time the module is set up."""
-    from ember.strategies.model_parallel import hook_takes_mesh
-
     if hook_takes_mesh(module) is False and module not in _CONFIGURED:
         module.configure_model()  # type: ignore[operator]
         _CONFIGURED.add(module)
@@ -71,15 +84,28 @@ def compile_in_place(module: nn.Module, options: dict[str, Any]) -> None:
     _COMPILED.add(module)
 
 
+def training_module_class() -> type[nn.Module] | None:
+    """`TrainingModule`, or None while ``ember.modules.module`` has not been imported (then no instance exists).
+
+    Looked up in ``sys.modules`` rather than imported: strategies sit below modules, and export is imported
+    by `TrainingModule`'s own export methods (docs/architecture.md, "Who imports whom").
+    """
+    return getattr(sys.modules.get("ember.modules.module"), "TrainingModule", None)
+
+
+def keeps_default_forward(module: nn.Module) -> bool:
+    """Whether `module` is a `TrainingModule` that keeps the default ``forward``, which only calls ``self.model``."""
+    base = training_module_class()
+    return base is not None and isinstance(module, base) and type(module).forward is base.forward
+
+
 def compile_target(module: nn.Module) -> nn.Module:
     """``module.model`` when `module` keeps `TrainingModule`'s default ``forward`` (which only calls it), else `module`.
 
     Compiling the model rather than the module makes steps that call ``self.model(x)`` run compiled too.
     """
-    from ember.modules.module import TrainingModule
-
     model = module._modules.get("model")
-    if isinstance(module, TrainingModule) and type(module).forward is TrainingModule.forward and model is not None:
+    if keeps_default_forward(module) and model is not None:
         return model
     return module
 

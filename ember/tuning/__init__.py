@@ -21,14 +21,15 @@ if TYPE_CHECKING:
     from ember.tuning.lr_finder import LRFinderResult, lr_find
     from ember.tuning.profiler import Profiler, ProfilerConfig
     from ember.tuning.space import SweepSpace
-    from ember.tuning.sweep import SweepResult, run_sweep
+    from ember.tuning.sweep import run_sweep
+    from ember.tuning.sweep_report import SweepResult
 
 _WHERE = {
     "BatchSizeResult": "batch_size",
     "LRFinderResult": "lr_finder",
     "Profiler": "profiler",
     "ProfilerConfig": "profiler",
-    "SweepResult": "sweep",
+    "SweepResult": "sweep_report",
     "SweepSpace": "space",
     "lr_find": "lr_finder",
     "run_sweep": "sweep",

@@ -6,7 +6,8 @@
     ember tune batch-size -c configs/digits.yaml --memory-budget 2GB
     ember sweep -c configs/digits.yaml --space configs/sweeps/digits.yaml --trials 12 --workers 2
 
-`ember.cli` adds these parsers and hands the parsed arguments to `run`. Mistakes are `ConfigError`s (one
+`ember.cli` adds these parsers and hands the parsed arguments to `run`; the options every subcommand has
+and building a run from a config come from `ember.commands`. Mistakes are `ConfigError`s (one
 line on stderr, exit code 2).
 """
 
@@ -16,7 +17,8 @@ import argparse
 import sys
 from typing import Any
 
-from ember.config.schema import ConfigError
+from ember.commands import add_command, add_seed, build
+from ember.config.errors import ConfigError
 
 TUNE_EPILOG = """\
 overrides: key=value or --key=value, as for `ember fit`. The finders train on the config's training
@@ -51,8 +53,6 @@ def add_parsers(commands: Any) -> None:
     batch.add_argument("--steps-per-trial", type=int, default=3, metavar="N", help="optimizer steps per size (3)")
     batch.add_argument("--memory-budget", metavar="BYTES", help="e.g. 2GB or 512MiB (required on the CPU)")
     batch.add_argument("--attr", default="batch_size", metavar="NAME", help="the datamodule's batch size attribute")
-    from ember.cli import add_command
-
     text = "hyperparameter sweep on Optuna (SQLite study, worker processes, pruning)"
     description = "ember sweep: run trials of a config with values from a search space."
     sweep = add_command(commands, "sweep", text, description, SWEEP_EPILOG, "the base config(s)")
@@ -64,8 +64,6 @@ def add_parsers(commands: Any) -> None:
 
 
 def _add(finders: Any, name: str, text: str) -> argparse.ArgumentParser:
-    from ember.cli import add_command, add_seed
-
     sub = add_command(finders, name, text, f"ember tune {name}: {text}.", TUNE_EPILOG)
     add_seed(sub)
     return sub
@@ -77,7 +75,6 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.command == "sweep":
         return sweep(args, overrides)
     from ember import config
-    from ember.cli import build
 
     if not args.config:
         raise ConfigError(f"ember tune {args.finder}: give the run's config with -c FILE")

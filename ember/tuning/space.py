@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ember.config.schema import ConfigError
+from ember.config.errors import ConfigError
 from ember.hints import did_you_mean
 
 DISTRIBUTIONS = ("uniform", "log_uniform", "int_uniform", "int_log_uniform", "categorical")

@@ -37,41 +37,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ember.config.schema import ConfigError
+from ember.config.errors import ConfigError
 from ember.tuning.space import SweepSpace, override
+from ember.tuning.sweep_report import FINISHED, SweepResult, report
 
 STUDY_NAME = "ember-sweep"
-FINISHED = ("COMPLETE", "PRUNED")
-
-
-@dataclass
-class SweepResult:
-    """How a sweep ended: the best finished trial, the counts, and where everything was written."""
-
-    directory: Path
-    metric: str
-    direction: str
-    best_number: int | None = None
-    best_value: float | None = None
-    best_params: dict[str, Any] = field(default_factory=dict)
-    best_config: Path | None = None
-    complete: int = 0
-    pruned: int = 0
-    failed: int = 0
-    epochs_run: int = 0
-    epochs_without_pruning: int = 0
-    rows: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def pruned_epoch_fraction(self) -> float:
-        """Share of the epochs a sweep without pruning would have run that pruning saved."""
-        if not self.epochs_without_pruning:
-            return 0.0
-        return 1.0 - self.epochs_run / self.epochs_without_pruning
 
 
 def default_directory(base: dict[str, Any], space_path: str | Path) -> Path:
@@ -129,8 +102,6 @@ def run_sweep(
 ) -> SweepResult:
     """Run (or continue) a sweep and report it; see the module docstring. Returns the `SweepResult`."""
     import optuna
-
-    from ember.tuning.sweep_report import report
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if trials < 1 or workers < 1 or max_failures < 1:

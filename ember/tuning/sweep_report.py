@@ -6,11 +6,40 @@ import csv
 import io
 import os
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ember.tuning.space import SweepSpace, override
-from ember.tuning.sweep import FINISHED, SweepResult
+
+#: Optuna trial states that count towards a sweep's N trials.
+FINISHED = ("COMPLETE", "PRUNED")
+
+
+@dataclass
+class SweepResult:
+    """How a sweep ended: the best finished trial, the counts, and where everything was written."""
+
+    directory: Path
+    metric: str
+    direction: str
+    best_number: int | None = None
+    best_value: float | None = None
+    best_params: dict[str, Any] = field(default_factory=dict)
+    best_config: Path | None = None
+    complete: int = 0
+    pruned: int = 0
+    failed: int = 0
+    epochs_run: int = 0
+    epochs_without_pruning: int = 0
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def pruned_epoch_fraction(self) -> float:
+        """Share of the epochs a sweep without pruning would have run that pruning saved."""
+        if not self.epochs_without_pruning:
+            return 0.0
+        return 1.0 - self.epochs_run / self.epochs_without_pruning
 
 
 def rows_of(study: Any, space: SweepSpace) -> list[dict[str, Any]]:

@@ -71,7 +71,7 @@ def run_trial(study: Any, trial: Any, spec: dict[str, Any], space: SweepSpace, w
     from optuna.trial import TrialState
 
     from ember import config
-    from ember.cli import build
+    from ember.commands import build
     from ember.tuning.space import override
 
     started = time.monotonic()

@@ -71,8 +71,8 @@ CLASSES: dict[str, str] = {
 #: (file, the write as written) -> why it is allowed. Keep it short; each entry is reviewed.
 ALLOWED: dict[tuple[str, str], str] = {
     ("*", "trainer.should_stop"): "Lightning's public way for a callback to stop a run",
-    ("ember/cli.py", "trainer.run_config"): "the command hands the resolved config to the trainer it built",
-    ("ember/cli.py", "module.optimizer_config"): "the command hands the config's optimizer to the module it built",
+    ("ember/commands.py", "trainer.run_config"): "the command hands the resolved config to the trainer it built",
+    ("ember/commands.py", "module.optimizer_config"): "the command hands the config's optimizer to the module it built",
     ("ember/tuning/lr_finder.py", "scratch.run_config"): "the scratch run is recorded with the user's config",
     ("ember/trainer/run.py", "module.trainer"): "a run attaches its trainer (Lightning's public setter)",
     ("ember/tuning/scratch.py", "self.module.trainer"): "a finder re-attaches the module's own trainer after it",

@@ -1,0 +1,5 @@
+"""`ConfigError`: a config or command-line mistake, raised by loading, checking and building a config."""
+
+
+class ConfigError(Exception):
+    """A config or command-line mistake found before any work starts; ``str()`` is one line."""
