@@ -12,6 +12,7 @@ from ember.callbacks.callback import Callback
 
 _WHERE = {
     "BackboneFinetuning": "finetuning",
+    "BaseFinetuning": "base_finetuning",
     "EMA": "ema",
     "EarlyStopping": "early_stopping",
     "GradientMonitor": "gradient_monitor",
