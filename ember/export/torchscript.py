@@ -86,7 +86,9 @@ def _jit_view(cls: type) -> type:
                 "__module__": cls.__module__,
                 "__qualname__": cls.__qualname__,
                 "trainer": property(lambda self: self._trainer),
-                "__jit_unused_properties__": ["trainer", "device", "global_step", "current_epoch", "hparams"],
+                "__jit_unused_properties__": [
+                    "trainer", "device", "on_gpu", "has_trainer", "global_step", "current_epoch", "hparams",
+                ],
                 "__jit_ignored_attributes__": ["trainer", "example_input_array", "optimizer_config"],
             },
         )

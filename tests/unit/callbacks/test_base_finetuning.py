@@ -357,7 +357,7 @@ def resume_fit(root: Path, stop_after: int | None = None, ckpt_path: Path | None
     "stop_after",
     [
         6,  # epoch 1, batch 1: two steps after the unfreeze
-        8,  # the end of epoch 1, before its scheduler step
+        8,  # the end of epoch 1: its scheduler stepped after the last batch, as in Lightning
         10,  # epoch 2, batch 1: the scheduler has halved the backbone group's rate since the unfreeze
     ],
     ids=["mid_epoch_after_unfreeze", "epoch_boundary_after_unfreeze", "an_epoch_later"],
@@ -371,7 +371,7 @@ def test_a_resume_after_the_unfreeze_is_bitwise_exact(tmp_path: Path, stop_after
     assert saved["finetuned_epoch"] == (1 if stop_after <= 8 else 2)
     groups = saved["internal_optimizer_metadata"][0]
     assert [len(g["params"]) for g in groups] == [2, 6]
-    assert groups[1]["lr"] == (0.0005 if stop_after <= 8 else 0.00025)  # the rate when saved
+    assert groups[1]["lr"] == (0.0005 if stop_after < 8 else 0.00025)  # the rate when saved
     assert saved["trainability"] == {"frozen_parameters": [], "untracked_batch_norms": []}
 
     with warnings.catch_warnings(record=True) as caught:

@@ -219,7 +219,7 @@ def test_on_step_and_on_epoch_give_step_and_epoch_keys():
     trainer = ember.Trainer(max_epochs=1, **TRAINER_KW)
     trainer.fit(Recorder(train_log=train_log), loader())
     metrics = trainer.callback_metrics
-    assert "train/x0" not in metrics
+    assert metrics["train/x0"] == metrics["train/x0_epoch"], "the plain name: the epoch value once it ended"
     assert metrics["train/x0_step"] == pytest.approx(BATCH_MEANS[-1])
     assert metrics["train/x0_epoch"] == pytest.approx(WEIGHTED_MEAN)
     bar = trainer.progress_bar_metrics
@@ -235,6 +235,7 @@ def test_on_step_and_on_epoch_in_validation():
     assert "val/x0" not in res
     assert res["val/x0_epoch"] == pytest.approx(WEIGHTED_MEAN)
     assert trainer.callback_metrics["val/x0_epoch"] == pytest.approx(WEIGHTED_MEAN)
+    assert trainer.callback_metrics["val/x0"] == trainer.callback_metrics["val/x0_epoch"]
 
 
 def test_val_logs_default_to_on_epoch_during_fit():

@@ -301,17 +301,18 @@ class _ScheduledModule(RecordingModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": self.interval}}
 
 
-def test_epoch_scheduler_steps_after_on_train_epoch_end() -> None:
+def test_epoch_scheduler_steps_after_the_last_batch_before_its_batch_end_hook() -> None:
+    """Where Lightning steps it: after the epoch's last optimizer step, before that batch's ``on_train_batch_end``."""
     calls: Calls = []
     _trainer(calls).fit(_ScheduledModule(calls, "epoch"), _loader(1), _loader(1))
     assert calls == [
         *both("setup", "on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start"),
         *both("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad"),
+        ("scheduler", "epoch"),
         *both("on_train_batch_end"),
         *both("on_validation_start", "on_validation_epoch_start", "on_validation_batch_start"),
         *both("on_validation_batch_end", "on_validation_epoch_end", "on_validation_end"),
         *both("on_train_epoch_end"),
-        ("scheduler", "epoch"),
         *both("on_train_end", "on_fit_end", "teardown"),
     ]
 
