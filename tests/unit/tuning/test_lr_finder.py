@@ -252,7 +252,7 @@ def test_outputs_csv_png_and_tensorboard(tiny: Any, tmp_path: Path, capsys: pyte
     assert f"use it with module.lr={result.suggestion:.3g}" in printed and str(result.plot_path) in printed
     for logger in trainer.loggers:  # the trainer's own loggers were neither attached to a run nor written
         with pytest.raises(RuntimeError, match="no save_dir yet"):
-            logger.log_dir
+            _ = logger.log_dir
 
 
 def test_the_plot_marks_the_suggestion(tiny: Any) -> None:
