@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ember import checkpoint as ckpt
 from ember.checkpoint import registry
+from ember.checkpoint.hparams import for_checkpoint
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -192,7 +193,7 @@ class CheckpointManager:
     def load_weights(trainer: Trainer, module: TrainingModule, path: Path) -> None:
         """Load only the module weights from `path` (for validate/test/predict)."""
         meta, weights = ckpt.read_module_state(path)
-        hint = ckpt.mismatch_hint(meta, trainer.run_config, dict(module.hparams))
+        hint = ckpt.mismatch_hint(meta, trainer.run_config, for_checkpoint(module.hparams))
         load = trainer.strategy.load_module_state
         ckpt.load_weights_into(module, weights, path, meta.get("module_class"), load, hint)
 

@@ -21,6 +21,7 @@ from torch.utils.data import IterableDataset
 
 from ember import checkpoint as ckpt
 from ember.checkpoint import data_position, writing
+from ember.checkpoint.hparams import for_checkpoint
 from ember.checkpoint.resume import capture_loader_generators, capture_rng
 from ember.version import __version__
 
@@ -260,7 +261,7 @@ def gather(
         "weights_only": weights_only,
         "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
         "optimizer_classes": [optimizer_class(opt) for opt in trainer.optimizers],
-        "hparams": dict(module.hparams),
+        "hparams": for_checkpoint(module.hparams),
         "config": trainer.run_config,
         "tensor_skeleton": skeleton,
         "state": states,
@@ -349,7 +350,7 @@ def restore(trainer: Trainer, module: TrainingModule, loaded: Loaded) -> None:
             "full checkpoint"
         )
     trainer.hooks.on_load_checkpoint(loaded.meta)  # may reshape the optimizers (e.g. BackboneFinetuning)
-    hint = ckpt.mismatch_hint(loaded.meta, trainer.run_config, dict(module.hparams))
+    hint = ckpt.mismatch_hint(loaded.meta, trainer.run_config, for_checkpoint(module.hparams))
     load_module_weights(module, loaded, trainer.strategy.load_module_state, hint)
     saved_optimizers = loaded.tensor_state.get("optimizers")
     differences = check_optimizers(loaded.path, loaded.meta, saved_optimizers, trainer, module)
@@ -390,7 +391,7 @@ def _config_differences(meta: dict[str, Any], trainer: Trainer, module: Training
     saved, now = meta.get("config"), trainer.run_config
     prefix = ""
     if not (isinstance(saved, dict) and now is not None):
-        saved, now, prefix = meta.get("hparams"), dict(module.hparams), "hparams"
+        saved, now, prefix = meta.get("hparams"), for_checkpoint(module.hparams), "hparams"
         if not isinstance(saved, dict):
             return []
     return [f"{key}: {old!r} in the checkpoint, {new!r} now" for key, old, new in ckpt.differences(saved, now, prefix)]

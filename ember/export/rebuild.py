@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from ember import checkpoint, stages
+from ember.checkpoint.hparams import for_checkpoint
 from ember.config import ConfigError, import_target, instantiate
 from ember.config.targets import nested_target, wrong_kind
 from ember.trainer.setup import run_name
@@ -102,7 +103,7 @@ def rebuild_module(
     if config is not None and saved is not None and isinstance(saved.get("module"), dict):
         report_differences(saved["module"], config["module"], "module", "using the config's")
     try:
-        hint = checkpoint.mismatch_hint(meta, config, dict(module.hparams))
+        hint = checkpoint.mismatch_hint(meta, config, for_checkpoint(module.hparams))
         checkpoint.load_weights_into(module, weights, path, trained, hint=hint)
     except checkpoint.CheckpointError as exc:
         raise ConfigError(str(exc)) from exc
@@ -125,10 +126,12 @@ def _user_class(dotted: str) -> type[TrainingModule]:
 
 def _build_with_hparams(cls: type[TrainingModule], name: str, hparams: Any, path: Path) -> TrainingModule:
     """``cls(**hparams)``: the checkpoint's hyperparameters are plain keyword arguments, never built."""
+    from ember.checkpoint.hparams import from_checkpoint
+
     if not isinstance(hparams, dict):
         hparams = {}
     try:
-        return cls(**hparams)
+        return cls(**from_checkpoint(hparams, {}, name))
     except TypeError as exc:
         raise ConfigError(
             f"cannot build {name} from the hyperparameters saved in {path} ({exc}); give the run's config with -c"

@@ -29,3 +29,4 @@ def collect_init_args(frame: FrameType) -> dict[str, Any]:
     if info.keywords:
         args.update(info.locals.get(info.keywords, {}))
     return args
+

@@ -143,13 +143,15 @@ class TrainingModule(DataHooks, ManualOptimization):
         from pathlib import Path
 
         from ember import checkpoint
+        from ember.checkpoint.hparams import from_checkpoint
 
         where = Path(path)
         if where.name == checkpoint.LAST_FILE:  # a run's ``checkpoints/last`` file: the checkpoint it names
             where = checkpoint.resolve_path(where)
         meta, weights = checkpoint.read_module_state(where)
+        kwargs = from_checkpoint(meta.get("hparams", {}), overrides, cls.__qualname__)
         try:
-            module = cls(**{**meta.get("hparams", {}), **overrides})
+            module = cls(**kwargs)
         except TypeError as exc:
             raise TypeError(
                 f"cannot rebuild {cls.__qualname__} from checkpoint {where} (saved from {meta.get('module_class')}): "
@@ -193,7 +195,10 @@ class TrainingModule(DataHooks, ManualOptimization):
 
         ``self.save_hyperparameters()`` records all of them; pass names to keep
         only those, or ``ignore=[...]`` to drop some (e.g. a backbone module).
-        The hyperparameters go into checkpoints and to the loggers.
+        The hyperparameters go into checkpoints and to the loggers. Checkpoints hold plain data: a class or a
+        function is held by its import path (found again when the checkpoint is loaded in a process that has
+        imported it); any other object (a module, an optimizer...) is not held, with a warning, and
+        `load_from_checkpoint` asks for it as a keyword.
         """
         frame = inspect.currentframe()
         caller = frame.f_back if frame is not None else None
@@ -207,7 +212,18 @@ class TrainingModule(DataHooks, ManualOptimization):
                 f"its arguments are {sorted(args)}"
             )
         keep = names or tuple(args)
-        self._hparams.update({k: args[k] for k in keep if k not in ignore})
+        recorded = {k: args[k] for k in keep if k not in ignore}
+        self._hparams.update(recorded)
+        from ember.checkpoint.hparams import not_saved
+
+        for key, kind in not_saved(recorded).items():
+            warnings.warn(
+                f"save_hyperparameters: {key!r} is a {kind}, not plain data: it stays in self.hparams but checkpoints "
+                f"do not hold it, so load_from_checkpoint needs it again (load_from_checkpoint(path, {key}=...)); "
+                f"pass ignore=[{key!r}] to leave it out",
+                UserWarning,
+                stacklevel=2,
+            )
 
     # --- logging ------------------------------------------------------------------
     def log(

@@ -308,3 +308,47 @@ def test_an_epoch_scheduler_steps_where_lightnings_does() -> None:
         seen[base] = module.seen
     assert seen[ember.TrainingModule] == seen[pl.LightningModule]
     assert seen[ember.TrainingModule][3:5] == [0.05, 0.05], "the last batch's on_train_batch_end sees the stepped lr"
+
+
+# --- 6. save_hyperparameters with values that are not plain data, then load_from_checkpoint ------------------------
+class WithClassArgs(ember.TrainingModule):
+    """In the idiom of modules that take a loss class, an activation function and a backbone object."""
+
+    def __init__(self, loss_cls: type = nn.MSELoss, act: Any = torch.tanh, sizes: tuple[int, ...] = (4, 8),
+                 backbone: nn.Module | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.save_hyperparameters()
+        self.backbone = backbone if backbone is not None else nn.Identity()
+        self.net = nn.Linear(sizes[0], 1)
+        self.loss_fn, self.act = loss_cls(), act
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self.loss_fn(self.net(self.act(self.backbone(x))), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_checkpoint_with_class_and_object_hyperparameters_loads_back(tmp_path: Any) -> None:
+    with pytest.warns(UserWarning, match=r"'backbone' is a torch.nn.modules.linear.Linear.*backbone=\.\.\."):
+        module = WithClassArgs(loss_cls=nn.L1Loss, act=torch.relu, backbone=nn.Linear(4, 4))
+    trainer = ember.Trainer(max_epochs=1, default_root_dir=tmp_path, logger=False, enable_progress_bar=False)
+    trainer.fit(module, _data())
+    best = trainer.checkpoint_callback.best_model_path  # type: ignore[union-attr]
+    with pytest.raises(TypeError, match=r"'backbone' \(a torch.nn.modules.linear.Linear\).*backbone=\.\.\."):
+        WithClassArgs.load_from_checkpoint(best)
+    loaded = WithClassArgs.load_from_checkpoint(best, backbone=nn.Linear(4, 4))
+    assert loaded.hparams.loss_cls is nn.L1Loss and loaded.hparams.act is torch.relu
+    assert loaded.hparams.sizes == (4, 8) and isinstance(loaded.loss_fn, nn.L1Loss)
+    for name, value in module.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+
+
+def test_a_reference_to_a_module_not_imported_is_never_imported(tmp_path: Any) -> None:
+    from ember.checkpoint.hparams import REFERENCE, from_checkpoint
+
+    saved = {"cls": {REFERENCE: "a_module_nobody_imported:Thing"}}
+    with pytest.raises(TypeError, match=r"has not imported .* never imports code"):
+        from_checkpoint(saved, {}, "M")
+    assert "a_module_nobody_imported" not in __import__("sys").modules
