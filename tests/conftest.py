@@ -1,13 +1,88 @@
-"""Shared test setup: every test runs in its own empty working directory, offline."""
+"""Shared test setup: every test runs in its own empty working directory, offline, and leaves the process's
+global state (environment, random streams, torch's settings) as it found it, so that no test depends on which
+tests ran before it in the same process (the suite runs in random order, on several xdist workers)."""
 
 from __future__ import annotations
 
 import os
+import random
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
+
+pytest_plugins = ("pytester",)  # tests/test_isolation.py runs small pytest sessions of its own
+
+
+class GlobalState:
+    """What a test may change for the whole process and must not leave changed: every environment variable
+    (``seed_everything`` sets ``EMBER_SEED``/``EMBER_SEED_WORKERS``, launchers ``RANK``, ``MASTER_PORT``...),
+    the global random streams of Python, NumPy and torch (CUDA's too once it is initialized), and torch's
+    process-wide settings. Taking and restoring it costs well under a millisecond."""
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+        self.python_rng = random.getstate()
+        numpy = sys.modules.get("numpy")
+        self.numpy_rng = numpy.random.get_state() if numpy is not None else None
+        self.torch_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.settings = self._settings()
+
+    @staticmethod
+    def _settings() -> dict[str, Any]:
+        return {
+            "default_dtype": torch.get_default_dtype(),
+            "num_threads": torch.get_num_threads(),
+            "deterministic": (
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+            ),
+            "grad_enabled": torch.is_grad_enabled(),
+            "anomaly": torch.is_anomaly_enabled(),
+            "matmul_precision": torch.get_float32_matmul_precision(),
+            "cudnn": (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark),
+        }
+
+    def restore(self) -> None:
+        for name in [name for name in os.environ if name not in self.environ]:
+            del os.environ[name]
+        for name, value in self.environ.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
+        random.setstate(self.python_rng)
+        if self.numpy_rng is not None:
+            sys.modules["numpy"].random.set_state(self.numpy_rng)
+        torch.set_rng_state(self.torch_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        if self._settings() != self.settings:
+            self._restore_settings()
+
+    def _restore_settings(self) -> None:
+        saved = self.settings
+        torch.set_default_dtype(saved["default_dtype"])
+        if torch.get_num_threads() != saved["num_threads"]:
+            torch.set_num_threads(saved["num_threads"])
+        enabled, warn_only = saved["deterministic"]
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.set_grad_enabled(saved["grad_enabled"])
+        torch.set_anomaly_enabled(saved["anomaly"])
+        torch.set_float32_matmul_precision(saved["matmul_precision"])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved["cudnn"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state() -> Iterator[GlobalState]:
+    """After every test, put back the environment, the random streams and torch's settings as they were."""
+    state = GlobalState()
+    yield state
+    state.restore()
 
 
 @pytest.fixture(autouse=True)
