@@ -77,6 +77,15 @@ class GlobalState:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved["cudnn"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (`--dist loadgroup`, pyproject.toml)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that start several torch.distributed processes share one xdist group: one worker runs them one after
+    the other, so two multi-process jobs never share the 2 CPUs (their collectives have timeouts)."""
+    for item in items:
+        if item.get_closest_marker("distributed") is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group("distributed"))
+
+
 @pytest.fixture(autouse=True)
 def _restore_global_state() -> Iterator[GlobalState]:
     """After every test, put back the environment, the random streams and torch's settings as they were."""
