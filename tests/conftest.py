@@ -79,11 +79,25 @@ class GlobalState:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (`--dist loadgroup`, pyproject.toml)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that start several torch.distributed processes share one xdist group: one worker runs them one after
-    the other, so two multi-process jobs never share the 2 CPUs (their collectives have timeouts)."""
+    """Which tests one xdist worker runs one after the other:
+
+    - every test marked `distributed` (group ``distributed``): two multi-process jobs never share the 2 CPUs
+      (their collectives have timeouts);
+    - the tests of a module that share a module-scoped fixture (a trained run, a built site, a clone; group: the
+      module's file), so that the fixture is built once, not once per worker.
+    """
     for item in items:
-        if item.get_closest_marker("distributed") is not None and item.get_closest_marker("xdist_group") is None:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        if item.get_closest_marker("distributed") is not None:
             item.add_marker(pytest.mark.xdist_group("distributed"))
+        elif _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def _uses_a_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs[-1].scope == "module" for defs in info.name2fixturedefs.values() if defs)
 
 
 @pytest.fixture(autouse=True)
