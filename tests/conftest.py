@@ -13,8 +13,22 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("WANDB_MODE", "offline")
+
+# The hypothesis profile of every generated test, whichever tests a run collects. ``EMBER_HYPOTHESIS_PROFILE``:
+# ``ci`` (the default: fixed examples, so every run draws the same) or ``thorough`` (20 times as many for the
+# tests that ask for a multiple of the profile's count, tests/exactness; freshly drawn each run).
+_COMMON = dict(
+    deadline=None,  # a fit's duration varies with the machine's load
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    database=None,  # found failures are kept as explicit tests (tests/exactness/test_regressions.py), not in a cache
+    print_blob=True,
+)
+settings.register_profile("ci", max_examples=6, derandomize=True, **_COMMON)
+settings.register_profile("thorough", max_examples=120, derandomize=False, **_COMMON)
+settings.load_profile(os.environ.get("EMBER_HYPOTHESIS_PROFILE", "ci"))
 
 pytest_plugins = ("pytester",)  # tests/test_isolation.py runs small pytest sessions of its own
 
