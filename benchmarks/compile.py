@@ -98,8 +98,13 @@ def run(epochs: int) -> tuple[list[float], list[float], int, int]:
     """(raw epoch times, ember epoch times) after warm-up; graphs compiled in and after the warm-up."""
     clock = Alternate(RawLoop())
     trainer = ember.Trainer(
-        max_epochs=epochs, compile=True, callbacks=[clock], logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False,
+        max_epochs=epochs,
+        compile=True,
+        callbacks=[clock],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
     )
     trainer.fit(Net(), make_loader())
     return clock.raw_times[1:], clock.ember_times[1:], clock.after_warmup, graphs() - clock.after_warmup

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-CHILD = r'''
+CHILD = r"""
 import json, resource, sys, tempfile, time
 import torch
 from torch import nn
@@ -54,12 +54,15 @@ else:
     one_fit = time.perf_counter() - start
     ember.Trainer(max_epochs=epochs, **options).fit(Tiny(), loader)
     print(json.dumps({"seconds": one_fit, "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
-'''
+"""
 
 
 def run(mode: str, epochs: int) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, mode, str(epochs)], capture_output=True, text=True, check=True,
+        [sys.executable, "-c", CHILD, mode, str(epochs)],
+        capture_output=True,
+        text=True,
+        check=True,
         cwd=Path(__file__).resolve().parents[1],
     )
     result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -81,18 +84,17 @@ def main() -> None:
     print(f"one raw step: {best['raw'] * 1e3:.2f} ms")
     print(f"fit(max_steps=1), minimal options: {best['minimal'] * 1e3:.2f} ms  (fixed cost {fixed_ms:.2f} ms)")
     print(f"fit(max_steps=1), defaults (loggers, checkpoint, summary): {best['defaults'] * 1e3:.1f} ms")
-    print(f"peak RSS: raw {rss['raw']:.1f} MiB, ember minimal {rss['minimal']:.1f} MiB "
-          f"(+{rss['minimal'] - rss['raw']:.1f}), ember defaults {rss['defaults']:.1f} MiB "
-          f"(+{rss['defaults'] - rss['raw']:.1f})")
+    print(
+        f"peak RSS: raw {rss['raw']:.1f} MiB, ember minimal {rss['minimal']:.1f} MiB "
+        f"(+{rss['minimal'] - rss['raw']:.1f}), ember defaults {rss['defaults']:.1f} MiB "
+        f"(+{rss['defaults'] - rss['raw']:.1f})"
+    )
     ok = fixed_ms <= 5 and rss["minimal"] - rss["raw"] <= 30
     extra_mib = rss["minimal"] - rss["raw"]
     verdict = "meets" if ok else "misses"
     if args.repeats == 1:  # one lucky or unlucky run decides nothing
         verdict = "none (one repeat measures noise; run with --repeats 5 for a verdict) for"
-    print(
-        f"verdict: {verdict} the goals (fixed cost {fixed_ms:.2f} ms <= 5 ms, "
-        f"RSS +{extra_mib:.1f} MiB <= 30 MiB)"
-    )
+    print(f"verdict: {verdict} the goals (fixed cost {fixed_ms:.2f} ms <= 5 ms, RSS +{extra_mib:.1f} MiB <= 30 MiB)")
 
 
 if __name__ == "__main__":

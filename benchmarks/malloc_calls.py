@@ -94,9 +94,7 @@ def parse(text: str) -> Counts:
 def run(library: Path, variant: str, epochs: int, directory: Path) -> Counts:
     """The calls one run of `variant` for `epochs` epochs made."""
     out = directory / f"{variant.replace(' ', '_').replace(',', '')}-{epochs}.txt"
-    env = dict(
-        os.environ, LD_PRELOAD=str(library), MALLOC_CALLS_OUT=str(out), PYTHONHASHSEED="0", OMP_NUM_THREADS="1"
-    )
+    env = dict(os.environ, LD_PRELOAD=str(library), MALLOC_CALLS_OUT=str(out), PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
     command = [sys.executable, str(HERE / "overhead.py"), "--run", variant, "--epochs", str(epochs)]
     done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0 or not out.is_file():
@@ -148,8 +146,9 @@ def main() -> int:
     )
     args = parser.parse_args()
     if shutil.which("cc") is None:
-        print("no C compiler (cc) to build the counting library (apt-get install gcc); nothing measured",
-              file=sys.stderr)
+        print(
+            "no C compiler (cc) to build the counting library (apt-get install gcc); nothing measured", file=sys.stderr
+        )
         return 2
     variants = ["raw", *(variant for variant in VARIANTS if variant in args.variants and variant != "raw")]
     print(report(measure(variants)))

@@ -50,8 +50,9 @@ from zygote import Zygote
 RUN_NAME = "soak"
 STEPS_PER_EPOCH = 8
 
-ZYGOTE = textwrap.dedent(
-    """
+ZYGOTE = (
+    textwrap.dedent(
+        """
     import errno
     import json
     import os
@@ -180,7 +181,10 @@ ZYGOTE = textwrap.dedent(
 
 
     """
-).replace("RUN_NAME", repr(RUN_NAME)).replace("STEPS_PER_EPOCH", str(STEPS_PER_EPOCH))
+    )
+    .replace("RUN_NAME", repr(RUN_NAME))
+    .replace("STEPS_PER_EPOCH", str(STEPS_PER_EPOCH))
+)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,125 @@
-"""Shared test setup: every test runs in its own empty working directory, offline."""
+"""Shared test setup: every test runs in its own empty working directory, offline, and leaves the process's
+global state (environment, random streams, torch's settings) as it found it, so that no test depends on which
+tests ran before it in the same process (the suite runs in random order, on several xdist workers)."""
 
 from __future__ import annotations
 
 import os
+import random
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("WANDB_MODE", "offline")
+
+# The hypothesis profile of every generated test, whichever tests a run collects. ``EMBER_HYPOTHESIS_PROFILE``:
+# ``ci`` (the default: fixed examples, so every run draws the same) or ``thorough`` (20 times as many for the
+# tests that ask for a multiple of the profile's count, tests/exactness; freshly drawn each run).
+_COMMON = dict(
+    deadline=None,  # a fit's duration varies with the machine's load
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    database=None,  # found failures are kept as explicit tests (tests/exactness/test_regressions.py), not in a cache
+    print_blob=True,
+)
+settings.register_profile("ci", max_examples=6, derandomize=True, **_COMMON)
+settings.register_profile("thorough", max_examples=120, derandomize=False, **_COMMON)
+settings.load_profile(os.environ.get("EMBER_HYPOTHESIS_PROFILE", "ci"))
+
+pytest_plugins = ("pytester",)  # tests/test_isolation.py runs small pytest sessions of its own
+
+
+class GlobalState:
+    """What a test may change for the whole process and must not leave changed: every environment variable
+    (``seed_everything`` sets ``EMBER_SEED``/``EMBER_SEED_WORKERS``, launchers ``RANK``, ``MASTER_PORT``...),
+    the global random streams of Python, NumPy and torch (CUDA's too once it is initialized), and torch's
+    process-wide settings. Taking and restoring it costs well under a millisecond."""
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+        self.python_rng = random.getstate()
+        numpy = sys.modules.get("numpy")
+        self.numpy_rng = numpy.random.get_state() if numpy is not None else None
+        self.torch_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.settings = self._settings()
+
+    @staticmethod
+    def _settings() -> dict[str, Any]:
+        return {
+            "default_dtype": torch.get_default_dtype(),
+            "num_threads": torch.get_num_threads(),
+            "deterministic": (
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+            ),
+            "grad_enabled": torch.is_grad_enabled(),
+            "anomaly": torch.is_anomaly_enabled(),
+            "matmul_precision": torch.get_float32_matmul_precision(),
+            "cudnn": (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark),
+        }
+
+    def restore(self) -> None:
+        for name in [name for name in os.environ if name not in self.environ]:
+            del os.environ[name]
+        for name, value in self.environ.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
+        random.setstate(self.python_rng)
+        if self.numpy_rng is not None:
+            sys.modules["numpy"].random.set_state(self.numpy_rng)
+        torch.set_rng_state(self.torch_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        if self._settings() != self.settings:
+            self._restore_settings()
+
+    def _restore_settings(self) -> None:
+        saved = self.settings
+        torch.set_default_dtype(saved["default_dtype"])
+        if torch.get_num_threads() != saved["num_threads"]:
+            torch.set_num_threads(saved["num_threads"])
+        enabled, warn_only = saved["deterministic"]
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.set_grad_enabled(saved["grad_enabled"])
+        torch.set_anomaly_enabled(saved["anomaly"])
+        torch.set_float32_matmul_precision(saved["matmul_precision"])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved["cudnn"]
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (`--dist loadgroup`, pyproject.toml)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Which tests one xdist worker runs one after the other:
+
+    - every test marked `distributed` (group ``distributed``): two multi-process jobs never share the 2 CPUs
+      (their collectives have timeouts);
+    - the tests of a module that share a module-scoped fixture (a trained run, a built site, a clone; group: the
+      module's file), so that the fixture is built once, not once per worker.
+    """
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        if item.get_closest_marker("distributed") is not None:
+            item.add_marker(pytest.mark.xdist_group("distributed"))
+        elif _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def _uses_a_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs[-1].scope == "module" for defs in info.name2fixturedefs.values() if defs)
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state() -> Iterator[GlobalState]:
+    """After every test, put back the environment, the random streams and torch's settings as they were."""
+    state = GlobalState()
+    yield state
+    state.restore()
 
 
 @pytest.fixture(autouse=True)

@@ -22,8 +22,10 @@ out = Path(sys.argv[1])
 trainer = ember.Trainer(strategy=w.ddp(), devices=2, accelerator="cpu", default_root_dir=out / "runs", max_steps=4,
                         enable_checkpointing=False, **w.QUIET)
 trainer.fit(w.Net(), DataLoader(w.train_set(w.N_SEQ), batch_size=4))
-if trainer.global_rank == 1:
-    time.sleep(0.5)  # rank 0 has long finished its run (and, before, removed the empty directory)
+if trainer.global_rank == 1:  # once rank 0 is past its run (which, before, removed the empty directory)
+    deadline = time.monotonic() + 60
+    while not (trainer.run_dir / "after-rank0.txt").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
 (trainer.run_dir / f"after-rank{trainer.global_rank}.txt").write_text("written after the run")
 """
 

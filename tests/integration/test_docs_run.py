@@ -17,6 +17,7 @@ A block that cannot run (a sketch with ``...``, a signature, a page's hypothetic
 from __future__ import annotations
 
 import shutil
+import socket
 import sys
 import warnings
 from collections.abc import Iterator
@@ -218,6 +219,9 @@ def run_command(argv: list[str]) -> int:
 
     argv = [("trainer.devices=1" if a.startswith("trainer.devices=") else a) for a in argv]
     environ = dict(os.environ)
+    # A ddp/fsdp strategy of one process listens on MASTER_PORT (29500 unless set): another pytest worker may be
+    # running a command of another page at the same time
+    os.environ["MASTER_PORT"] = str(free_port())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -229,6 +233,12 @@ def run_command(argv: list[str]) -> int:
                 dist.destroy_process_group()
             os.environ.clear()
             os.environ.update(environ)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _marked() -> list[str]:

@@ -189,15 +189,15 @@ def test_advice_names_the_option_the_subcommand_has(
     assert "Traceback" not in err
 
 
-def test_resuming_a_finished_run_says_there_is_nothing_to_do(
-    project: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_resuming_a_finished_run_says_there_is_nothing_to_do(project: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert ember(capsys, "fit", "-c", "net.yaml", "trainer.max_epochs=2")[0] == 0
     code, out, err = ember(capsys, "fit", "-c", "net.yaml", "trainer.max_epochs=2", "--resume", "last")
     assert code == 0, err
     assert "ember: this run already finished (epoch 2/2); nothing to do" in err.splitlines()
-    assert out.strip().splitlines()[-1].endswith(
-        "(2 epochs, 10 steps): nothing to do, the run had finished already; run dir runs/net/version_0"
+    assert (
+        out.strip()
+        .splitlines()[-1]
+        .endswith("(2 epochs, 10 steps): nothing to do, the run had finished already; run dir runs/net/version_0")
     )
     assert sorted(p.name for p in (project / "runs" / "net").iterdir()) == ["version_0"]
     code, _, err = ember(capsys, "fit", "-c", "net.yaml", "trainer.max_steps=10", "trainer.max_epochs=null",

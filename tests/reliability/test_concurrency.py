@@ -13,8 +13,8 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -27,19 +27,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 import dist_harness as harness
 
 
-def _claim_at(root: str, start_at: float, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+def _claim_at(root: str, start: Any, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     from ember.checkpoint import claim_version
 
-    while time.time() < start_at:
-        pass  # spin: every process leaves at the same instant
+    start.wait()  # every process leaves the barrier at the same instant
     out.put(str(claim_version(Path(root))[0]))
 
 
 def test_processes_claiming_at_the_same_instant_get_distinct_versions(tmp_path: Path) -> None:
     context = multiprocessing.get_context("fork")
     out: multiprocessing.Queue = context.Queue()  # type: ignore[type-arg]
-    start_at = time.time() + 1.0
-    procs = [context.Process(target=_claim_at, args=(str(tmp_path), start_at, out)) for _ in range(6)]
+    start = context.Barrier(6, timeout=60)
+    procs = [context.Process(target=_claim_at, args=(str(tmp_path), start, out)) for _ in range(6)]
     for proc in procs:
         proc.start()
     claimed = [out.get(timeout=60) for _ in procs]

@@ -197,9 +197,7 @@ def test_sigterm_under_the_devices_launcher_exits_75_with_one_line(tmp_path: Pat
 
 
 @pytest.mark.usefixtures("clean_imports")
-def test_fast_dev_run_writes_nothing_later_commands_pick_up(
-    project: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_fast_dev_run_writes_nothing_later_commands_pick_up(project: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The trained run is moved away: a fast_dev_run with a ModelCheckpoint in its config must not become
     `best` or `last` for the next command."""
     (project / "runs").rename(project / "elsewhere")

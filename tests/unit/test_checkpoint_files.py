@@ -84,4 +84,3 @@ def test_fileno_flushes_so_an_fsync_covers_every_byte(tmp_path: Path) -> None:
         assert path.read_bytes() == b""  # still in the buffer
         f.fileno()
         assert path.read_bytes() == b"abc" * 100
-

@@ -232,6 +232,4 @@ def test_print_config_in_process_prints_the_resolved_yaml(tmp_path: Path, capsys
     )
     # torch.nn.Linear is not a TrainingModule: --print-config checks before printing
     assert main(["fit", "-c", str(path), "--print-config"]) == 2
-    assert "module._target_: torch.nn.Linear is not a subclass of ember.TrainingModule" in (
-        capsys.readouterr().err
-    )
+    assert "module._target_: torch.nn.Linear is not a subclass of ember.TrainingModule" in capsys.readouterr().err

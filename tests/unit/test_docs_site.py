@@ -128,3 +128,13 @@ def test_ci_builds_the_site_strictly_after_installing() -> None:
     )
     assert build > install
     assert "mkdocs" in (REPO / "README.md").read_text() and "mkdocs serve" in (REPO / "README.md").read_text()
+
+
+def test_ci_runs_the_readmes_test_command() -> None:
+    """The checks after the README's install line are CI's last line, in the same order."""
+    readme = (REPO / "README.md").read_text().splitlines()
+    install = readme[readme.index("# install and pass the tests (lint, formatting, types, the whole suite)") + 1]
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line.strip()][-1]
+    readme_checks = [step.strip() for step in install.split(" && ") if not step.strip().startswith("pip install")]
+    ci_checks = [step.strip().replace("python3 ", "python ") for step in ci.split(" && ")]
+    assert readme_checks == ci_checks == ["ruff check .", "ruff format --check .", "mypy", "python -m pytest"]

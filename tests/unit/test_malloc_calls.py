@@ -57,9 +57,12 @@ def test_without_a_compiler_it_says_so(
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc) to build the counting library")
 def test_the_loop_allocates_nothing_per_step_beyond_a_raw_loop(script: ModuleType) -> None:
-    calls = {variant: sum(per_class.values()) for variant, per_class in script.measure(
-        ["raw", "minimal, no log", "ember minimal", "defaults, no ckpt"]
-    ).items()}
+    calls = {
+        variant: sum(per_class.values())
+        for variant, per_class in script.measure(
+            ["raw", "minimal, no log", "ember minimal", "defaults, no ckpt"]
+        ).items()
+    }
     assert calls["raw"] > 500  # the counter sees torch's own allocations (about 800 per step here)
     # ember's loop, without the step's self.log: what raw allocates (epoch-level work spread over the steps)
     assert abs(calls["minimal, no log"] - calls["raw"]) < 0.5, calls

@@ -37,6 +37,7 @@ def log(collector: MetricCollector, name: str, value: object, **options: object)
         ))
     )  # fmt: skip
 
+
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
 
 

@@ -49,10 +49,8 @@ def test_simple_table_adds_up_to_the_fit_wall_time(tiny: Any, tmp_path: Path, ca
     assert actions["hook/_Slow.on_train_batch_end"].self >= 0.002 * steps
     for phase in ("setup", "teardown"):
         assert actions[phase].calls == 1
-    # The named actions' self times add up to the fit's wall time measured outside it (within 10%).
     named = sum(a.self for a in report.actions if a.name != "fit (other)")
-    assert 0.9 * wall <= named <= wall, (named, wall)
-    assert report.wall_s <= wall
+    assert named <= report.wall_s <= wall, (named, report.wall_s, wall)
     total = sum(a.self for a in report.actions)
     assert total == pytest.approx(report.wall_s, rel=1e-6)  # self times partition the run
     printed = capsys.readouterr().out
@@ -61,6 +59,16 @@ def test_simple_table_adds_up_to_the_fit_wall_time(tiny: Any, tmp_path: Path, ca
     assert text.startswith("profile of fit:")
     data = json.loads((trainer.run_dir / "profiler" / "fit.json").read_text(encoding="utf-8"))
     assert {a["name"] for a in data["actions"]} == set(actions)
+
+
+@pytest.mark.perf
+def test_the_named_actions_cover_nine_tenths_of_the_fit(tiny: Any, tmp_path: Path) -> None:
+    """The named actions' self times add up to the fit's wall time measured outside it, within 10% (what is left,
+    "fit (other)", is the loop's own time; a busy machine can stretch it past that)."""
+    trainer, _, wall = _fit(tiny, tmp_path, "simple", callbacks=[_Slow()], logger=True, enable_checkpointing=True)
+    (report,) = trainer.profiler.reports
+    named = sum(a.self for a in report.actions if a.name != "fit (other)")
+    assert 0.9 * wall <= named <= wall, (named, wall)
 
 
 def test_a_profiled_run_trains_exactly_like_an_unprofiled_one(tiny: Any, tmp_path: Path) -> None:

@@ -1,0 +1,115 @@
+"""The suite's isolation (tests/conftest.py, `_restore_global_state`): what one test changes for the whole process
+never reaches the next one.
+
+The case that showed it: `ember.seed_everything(42, workers=True)` (docs/migrating-from-lightning.md runs it)
+sets ``EMBER_SEED_WORKERS=1`` for the process, and a parity case of tests/exactness run after it in the same
+process then differed from the raw loop (its DataLoader workers were reseeded). Each check below runs a small
+pytest session of its own, in a fixed order, with the suite's conftest.py, and once more with its restoring
+fixture switched off, where the same tests must fail: the check itself is shown to see the leak.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).resolve().parent
+CONFTEST = (TESTS / "conftest.py").read_text(encoding="utf-8")
+AUTOUSE = "@pytest.fixture(autouse=True)\ndef _restore_global_state("
+assert AUTOUSE in CONFTEST
+
+WORKERS_SEEDED_THEN_PARITY = f"""
+import os
+import sys
+
+sys.path.insert(0, {str(TESTS / "exactness")!r})
+
+from exact_checks import check_parity
+from exact_workload import Config
+
+import ember
+
+
+def test_1_seed_everything_seeds_dataloader_workers_for_the_process():
+    assert ember.seed_everything(42, workers=True) == 42
+    assert os.environ["EMBER_SEED_WORKERS"] == "1" and os.environ["EMBER_SEED"] == "42"
+
+
+def test_2_the_next_test_finds_the_environment_as_before():
+    assert "EMBER_SEED_WORKERS" not in os.environ and "EMBER_SEED" not in os.environ
+
+
+def test_3_the_parity_case_that_failed_after_it(tmp_path):
+    # tests/exactness/test_parity_generated.py; with workers seeded, ember's loss of batch 0 was 0.8172
+    # against the raw loop's 0.7060
+    check_parity(Config(n=1, batch_size=1, num_workers=2, augment="global"), tmp_path)
+"""
+
+SETTINGS_CHANGED = """
+import random
+
+import torch
+
+THREADS = {threads}
+
+
+def test_1_changes_the_random_streams_and_the_settings():
+    torch.manual_seed(123)
+    random.seed(123)
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(THREADS + 1)
+    torch.use_deterministic_algorithms(True)
+
+
+def test_2_the_torch_stream_is_as_before():
+    assert torch.rand(()).item() != torch.rand((), generator=torch.Generator().manual_seed(123)).item()
+
+
+def test_3_the_python_stream_is_as_before():
+    assert random.random() != random.Random(123).random()
+
+
+def test_4_the_default_dtype_is_as_before():
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_5_the_thread_count_is_as_before():
+    assert torch.get_num_threads() == THREADS
+
+
+def test_6_deterministic_algorithms_are_as_before():
+    assert not torch.are_deterministic_algorithms_enabled()
+"""
+
+
+@pytest.mark.parametrize("restoring", [True, False], ids=["restored", "not-restored"])
+def test_what_a_test_changes_for_the_process_does_not_reach_the_next_test(
+    pytester: pytest.Pytester, restoring: bool
+) -> None:
+    os.environ.pop("EMBER_SEED", None)  # as in a fresh shell (this test's own changes are restored after it)
+    os.environ.pop("EMBER_SEED_WORKERS", None)
+    conftest = CONFTEST if restoring else CONFTEST.replace(AUTOUSE, AUTOUSE.replace("(autouse=True)", ""))
+    pytester.makeconftest(conftest)
+    pytester.makepyfile(
+        test_1_workers=WORKERS_SEEDED_THEN_PARITY,
+        test_2_settings=SETTINGS_CHANGED.format(threads=torch.get_num_threads()),
+    )
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "-p", "no:cacheprovider", "-q", timeout=300)
+    if restoring:
+        result.assert_outcomes(passed=9)
+        return
+    result.assert_outcomes(passed=2, failed=7)
+    result.stdout.fnmatch_lines(["E * ember differs from the raw loop: loss of batch 0: *"])
+    failed = [line.split(" ")[1] for line in result.outlines if line.startswith("FAILED ")]
+    assert failed == [
+        "test_1_workers.py::test_2_the_next_test_finds_the_environment_as_before",
+        "test_1_workers.py::test_3_the_parity_case_that_failed_after_it",
+        "test_2_settings.py::test_2_the_torch_stream_is_as_before",
+        "test_2_settings.py::test_3_the_python_stream_is_as_before",
+        "test_2_settings.py::test_4_the_default_dtype_is_as_before",
+        "test_2_settings.py::test_5_the_thread_count_is_as_before",
+        "test_2_settings.py::test_6_deterministic_algorithms_are_as_before",
+    ]
