@@ -29,4 +29,3 @@ def collect_init_args(frame: FrameType) -> dict[str, Any]:
     if info.keywords:
         args.update(info.locals.get(info.keywords, {}))
     return args
-
