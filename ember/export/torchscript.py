@@ -91,6 +91,7 @@ def _jit_view(cls: type) -> type:
                     "device",
                     "on_gpu",
                     "has_trainer",
+                    "hparams_to_loggers",
                     "global_step",
                     "current_epoch",
                     "hparams",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from ember.modules.data_hooks import DataHooks
+from ember.modules.hparams import AttributeDict, collect_init_args
 
 
 class DataModule(DataHooks):
@@ -21,6 +23,28 @@ class DataModule(DataHooks):
 
     #: Run `prepare_data` on local rank 0 of every node (True) or on global rank 0 only (False).
     prepare_data_per_node: bool = True
+
+    @property
+    def hparams(self) -> AttributeDict:
+        """What `save_hyperparameters` recorded (Lightning's ``self.hparams``: ``self.hparams.batch_size``)."""
+        recorded: AttributeDict = self.__dict__.setdefault("_hparams", AttributeDict())
+        return recorded
+
+    def save_hyperparameters(self, *names: str, ignore: list[str] | tuple[str, ...] = (), logger: bool = True) -> None:
+        """Record the arguments of the calling ``__init__`` in `hparams` (Lightning's call; ``logger`` is
+        accepted for ports: a DataModule's hyperparameters are not sent to the loggers)."""
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        if caller is None:
+            raise RuntimeError("save_hyperparameters() must be called from __init__")
+        args = collect_init_args(caller)
+        unknown = [n for n in (*names, *ignore) if n not in args]
+        if unknown:
+            raise ValueError(
+                f"save_hyperparameters: {unknown} are not arguments of {type(self).__qualname__}.__init__; "
+                f"its arguments are {sorted(args)}"
+            )
+        self.hparams.update({k: args[k] for k in (names or tuple(args)) if k not in ignore})
 
     def setup(self, stage: str) -> None:
         """Build datasets for `stage` ("fit", "validate", "test" or "predict")."""

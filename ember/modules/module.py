@@ -49,6 +49,7 @@ class TrainingModule(DataHooks, ManualOptimization):
         super().__init__()
         self._trainer: Trainer | None = None
         self._hparams = AttributeDict()
+        self._hparams_to_loggers = True
         self._warned_no_trainer = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -89,6 +90,11 @@ class TrainingModule(DataHooks, ManualOptimization):
     def has_trainer(self) -> bool:
         """Whether a `Trainer` has run (or runs) this module."""
         return self._trainer is not None
+
+    @property
+    def hparams_to_loggers(self) -> bool:
+        """Whether the loggers get `hparams` (``save_hyperparameters(logger=False)`` says no)."""
+        return self._hparams_to_loggers
 
     @property
     def on_gpu(self) -> bool:
@@ -190,7 +196,7 @@ class TrainingModule(DataHooks, ManualOptimization):
         """Hyperparameters recorded by `save_hyperparameters`."""
         return self._hparams
 
-    def save_hyperparameters(self, *names: str, ignore: list[str] | tuple[str, ...] = ()) -> None:
+    def save_hyperparameters(self, *names: str, ignore: list[str] | tuple[str, ...] = (), logger: bool = True) -> None:
         """Record the arguments of the calling ``__init__`` in `self.hparams`.
 
         ``self.save_hyperparameters()`` records all of them; pass names to keep
@@ -198,7 +204,8 @@ class TrainingModule(DataHooks, ManualOptimization):
         The hyperparameters go into checkpoints and to the loggers. Checkpoints hold plain data: a class or a
         function is held by its import path (found again when the checkpoint is loaded in a process that has
         imported it); any other object (a module, an optimizer...) is not held, with a warning, and
-        `load_from_checkpoint` asks for it as a keyword.
+        `load_from_checkpoint` asks for it as a keyword. ``logger=False`` keeps them from the loggers (they still go
+        into checkpoints), as in Lightning.
         """
         frame = inspect.currentframe()
         caller = frame.f_back if frame is not None else None
@@ -214,6 +221,7 @@ class TrainingModule(DataHooks, ManualOptimization):
         keep = names or tuple(args)
         recorded = {k: args[k] for k in keep if k not in ignore}
         self._hparams.update(recorded)
+        self._hparams_to_loggers = logger
         from ember.checkpoint.hparams import not_saved
 
         for key, kind in not_saved(recorded).items():

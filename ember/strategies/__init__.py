@@ -11,7 +11,7 @@ from typing import Any
 from ember.strategies.precision import Precision
 from ember.strategies.strategy import Strategy
 
-__all__ = ["DDPStrategy", "FSDPStrategy", "ModelParallelStrategy", "Precision", "Strategy"]
+__all__ = ["DDPStrategy", "FSDPStrategy", "ModelParallelStrategy", "ParallelStrategy", "Precision", "Strategy"]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,6 +23,10 @@ def __getattr__(name: str) -> Any:
         from ember.strategies.fsdp import FSDPStrategy
 
         return FSDPStrategy
+    if name == "ParallelStrategy":  # the base of the multi-process ones (isinstance checks, as in Lightning)
+        from ember.strategies.parallel import ParallelStrategy
+
+        return ParallelStrategy
     if name == "ModelParallelStrategy":
         from ember.strategies.model_parallel import ModelParallelStrategy
 

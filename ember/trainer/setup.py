@@ -109,7 +109,8 @@ def record_hyperparameters(trainer: Trainer, module: TrainingModule, resumed: bo
                 n += 1
             target = trainer.run_dir / f"config-resume-{n}.yaml"
         atomic_write(target, OmegaConf.to_yaml(OmegaConf.create(trainer.run_config)))
-    params = trainer.run_config if trainer.run_config is not None else dict(module.hparams)
+    hparams = dict(module.hparams) if module.hparams_to_loggers else {}
+    params = trainer.run_config if trainer.run_config is not None else hparams
     if params:
         for logger in trainer.loggers:
             logger.log_hyperparams(params)

@@ -9,6 +9,7 @@ read through properties; the one a hook sets is ``should_stop``."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -204,6 +205,20 @@ class Trainer:
     def lr_scheduler_configs(self) -> list[SchedulerConfig]:
         """The schedulers of the current (or most recent) fit with their interval, frequency and monitor."""
         return self._fit_loop.lr_scheduler_configs if self._fit_loop is not None else []
+
+    @property
+    def estimated_stepping_batches(self) -> float:
+        """Optimizer steps the running fit will take (Lightning's name, e.g. for ``OneCycleLR(total_steps=...)`` in
+        ``configure_optimizers``): ``max_steps`` when set, else the epoch's batches over
+        ``accumulate_grad_batches`` (rounded up) times ``max_epochs``; inf when neither bounds the fit."""
+        if self._fit_loop is None:
+            raise RuntimeError(
+                "trainer.estimated_stepping_batches exists once fit has its data (configure_optimizers on)"
+            )
+        per_epoch = math.ceil(self._fit_loop.plan.num_batches / self.accumulate_grad_batches)
+        epochs = self.max_epochs if self.max_epochs is not None and self.max_epochs >= 0 else math.inf
+        estimate = per_epoch * epochs if per_epoch else 0
+        return float(self.max_steps) if self.max_steps >= 0 else float(estimate)
 
     @property
     def num_eval_batches(self) -> list[float]:

@@ -352,3 +352,71 @@ def test_a_reference_to_a_module_not_imported_is_never_imported(tmp_path: Any) -
     with pytest.raises(TypeError, match=r"has not imported .* never imports code"):
         from_checkpoint(saved, {}, "M")
     assert "a_module_nobody_imported" not in __import__("sys").modules
+
+
+# --- found by the corpus (tests/compat/real) ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("options", "accumulate"), [({"max_epochs": 3}, 1), ({"max_epochs": 2}, 3), ({"max_steps": 5, "max_epochs": 9}, 2)]
+)
+def test_estimated_stepping_batches_is_lightnings(options: dict[str, Any], accumulate: int) -> None:
+    seen = {}
+    for base, trainer in (
+        (pl.LightningModule, pl.Trainer(accumulate_grad_batches=accumulate, **options, **QUIET_LIGHTNING)),
+        (ember.TrainingModule, ember.Trainer(accumulate_grad_batches=accumulate, **options, **QUIET_EMBER)),
+    ):
+
+        def configure_optimizers(self: Any, base: type = base) -> Any:
+            seen[base] = self.trainer.estimated_stepping_batches
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        steps = {"training_step": lambda self, b, i: _loss(self, b), "configure_optimizers": configure_optimizers}
+        trainer.fit(_regressor(base, **steps), _data(n=40, batch_size=8))
+    assert seen[ember.TrainingModule] == seen[pl.LightningModule]
+
+
+def test_parallel_strategy_is_exported_for_isinstance_checks() -> None:
+    from ember.strategies import DDPStrategy, ParallelStrategy, Strategy
+
+    assert issubclass(DDPStrategy, ParallelStrategy) and not isinstance(
+        ember.Trainer(logger=False).strategy, ParallelStrategy
+    )
+    assert issubclass(ParallelStrategy, Strategy)
+
+
+def test_a_datamodule_saves_its_hyperparameters() -> None:
+    class Data(ember.DataModule):
+        def __init__(self, batch_size: int = 8, data_dir: str = "data", workers: int = 0) -> None:
+            super().__init__()
+            self.save_hyperparameters(ignore=["workers"], logger=False)
+
+    data = Data(batch_size=16)
+    assert dict(data.hparams) == {"batch_size": 16, "data_dir": "data"} and data.hparams.batch_size == 16
+
+
+@pytest.mark.parametrize("to_loggers", [True, False])
+def test_save_hyperparameters_logger_false_keeps_them_from_the_loggers(to_loggers: bool) -> None:
+    class Recording(ember.loggers.CSVLogger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.params: list[dict[str, Any]] = []
+
+        def log_hyperparams(self, params: dict[str, Any]) -> None:
+            self.params.append(dict(params))
+
+    class Module(ember.TrainingModule):
+        def __init__(self, lr: float = 0.05) -> None:
+            super().__init__()
+            self.save_hyperparameters(logger=to_loggers)
+            self.net = nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return _loss(self, batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    logger = Recording()
+    trainer = ember.Trainer(max_steps=1, logger=logger, enable_progress_bar=False, enable_checkpointing=False)
+    module = Module()
+    trainer.fit(module, _data())
+    assert logger.params == ([{"lr": 0.05}] if to_loggers else []) and module.hparams.lr == 0.05

@@ -50,15 +50,11 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.fil
 #: The ember gaps the corpus still runs into, by short name (the docs table shows the names). Gaps closed in the
 #: library leave this table, and the modules they blocked lose their xfail (strict: a fixed gap fails here).
 GAPS = {
-    "parallel_strategy": "ember.strategies does not export ParallelStrategy (isinstance(trainer.strategy, ...))",
-    "datamodule_hparams": "DataModule has no save_hyperparameters / hparams",
-    "hparams_logger_arg": "save_hyperparameters(logger=False): no `logger` parameter",
     "checkpoint_options": "ModelCheckpoint(auto_insert_metric_name=...) is not a parameter",
     "logger_options": "CSVLogger(save_dir, name=..., prefix=...): no `name` / `prefix` parameters",
     "model_keyword": "trainer.fit(model=...) / trainer.test(model=...): ember's parameter is `module`",
     "datamodule_trainer": "DataModule has no .trainer",
     "weights_only": "trainer.test(..., weights_only=False): no `weights_only` parameter",
-    "stepping_batches": "trainer.estimated_stepping_batches does not exist",
     "epoch_end_log_suffix": (
         "self.log in on_validation_epoch_end with several validation dataloaders: ember adds /dataloader_idx_N of "
         "the last one; Lightning logs the plain name for every dataloader"
@@ -115,7 +111,7 @@ CORPUS = [
     Case(
         "lit_imagenet",
         LIGHTNING_EXAMPLES + "domain_templates/imagenet.py",
-        ("parallel_strategy",),
+        (),
     ),
     Case(
         "lit_autoencoder",
@@ -131,8 +127,6 @@ CORPUS = [
         "lit_hydra_mnist",
         "ashleve/lightning-hydra-template src/models/mnist_module.py, src/data/mnist_datamodule.py, src/train.py",
         (
-            "datamodule_hparams",
-            "hparams_logger_arg",
             "checkpoint_options",
             "logger_options",
             "model_keyword",
@@ -158,7 +152,7 @@ CORPUS = [
     Case(
         "lit_glue",
         "Lightning-AI/tutorials lightning_examples/text-transformers/text-transformers.py",
-        ("stepping_batches", "epoch_end_log_suffix"),
+        ("epoch_end_log_suffix",),
     ),
 ]
 

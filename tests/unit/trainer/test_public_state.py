@@ -40,6 +40,9 @@ def test_every_public_property_reads_right_after_init(name: str) -> None:
     if name in RUN_ONLY:
         with pytest.raises(RuntimeError, match="fit/validate/test/predict"):
             getattr(trainer, name)
+    elif name == "estimated_stepping_batches":
+        with pytest.raises(RuntimeError, match="once fit has its data"):
+            getattr(trainer, name)
     else:
         getattr(trainer, name)  # no AttributeError, no other error
 
