@@ -580,13 +580,17 @@ class _Porter:
             if kind is None:
                 continue
             kinds[node.name] = kind
+            manual = _sets_manual_optimization(node)
             for item in node.body:
                 if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     continue
                 meaning: tuple[str, str] | None = LIGHTNING_ONLY.get(item.name)
                 if kind == "module" and meaning is None:
                     meaning = MODULE_METHODS.get(item.name)
-                if meaning is not None:
+                if meaning is not None and manual and item.name in _AUTOMATIC_ONLY:
+                    advice = "Lightning never calls it under manual optimization, which this module uses: delete it"
+                    self.note(item, f"{node.name}.{item.name}", advice)
+                elif meaning is not None:
                     self.note(item, f"{node.name}.{item.name}", f"ember does not call it ({meaning[0]}); {meaning[1]}")
                 elif kind == "module" and item.name in REMOVED_METHODS:
                     self.note(item, f"{node.name}.{item.name}", REMOVED_METHODS[item.name])
@@ -596,6 +600,22 @@ class _Porter:
         for edit in sorted(self.edits, key=lambda e: e.start, reverse=True):
             data = data[: edit.start] + edit.text.encode("utf-8") + data[edit.end :]
         return data.decode("utf-8")
+
+
+#: Module methods Lightning calls only under automatic optimization.
+_AUTOMATIC_ONLY = {"optimizer_step", "optimizer_zero_grad", "backward", "configure_gradient_clipping"}
+
+
+def _sets_manual_optimization(cls: ast.ClassDef) -> bool:
+    """Whether a class body assigns ``self.automatic_optimization = False`` (or defines it so)."""
+    for node in ast.walk(cls):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        value = node.value if isinstance(node, ast.Assign) else None
+        for target in targets:
+            name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)
+            if name == "automatic_optimization" and isinstance(value, ast.Constant) and value.value is False:
+                return True
+    return False
 
 
 _UTILITIES_ADVICE = "lightning_utilities is installed with Lightning: keep it as a dependency or replace the helper"

@@ -4,8 +4,9 @@ Every corpus file (and every module of ``lightning.pytorch.demos`` the tests dri
 ``main(root_dir, callbacks=(), **trainer_options) -> dict`` in Lightning's idiom: it seeds, builds its data,
 module and ``Trainer`` (adding ``callbacks`` and ``trainer_options``), fits, and evaluates as the public
 script it follows does. The returned dict holds at least ``trainer`` and ``model``; optionally ``test``,
-``validate`` (lists of result dicts), ``predict`` (a list of tensors) and ``reloaded`` (a module rebuilt with
-``load_from_checkpoint``).
+``validate`` (lists of result dicts), ``predict`` (a list of tensors), ``reloaded`` (a module rebuilt with
+``load_from_checkpoint``) and ``extra`` (plain values: floats compared within `METRICS_TOL`, the rest with
+``==``).
 
 `port_module` ports a file with `ember.port.port_source` into a folder and imports the result. `run_main`
 runs ``main`` with a `Recorder` callback of the framework's kind and returns a `Run`; an exception is kept in
@@ -56,6 +57,7 @@ class Run:
     validate: list[dict[str, float]] | None = None
     predict: list[torch.Tensor] | None = None
     reloaded: dict[str, torch.Tensor] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # other plain values a module reports
     error: str | None = None
     where: str | None = None  # the innermost traceback line inside ember/ (or the last one)
 
@@ -180,6 +182,7 @@ def run_main(
     run.global_step, run.current_epoch = trainer.global_step, trainer.current_epoch
     run.test, run.validate = _floats(out.get("test")), _floats(out.get("validate"))
     run.predict = _tensors(out.get("predict"))
+    run.extra = dict(out.get("extra", {}))
     reloaded = out.get("reloaded")
     if reloaded is not None:
         run.reloaded = {k: v.detach().clone() for k, v in reloaded.state_dict().items()}
@@ -280,6 +283,11 @@ def compare(name: str, follows: str, unmapped: list[str], gaps: Sequence[str], m
         diffs.append("load_from_checkpoint: only one framework reloaded a module")
     elif mine.reloaded is not None and theirs.reloaded is not None:
         diffs += _compare_tensors("reloaded parameter", mine.reloaded, theirs.reloaded)
+    for key, value in theirs.extra.items():
+        other = mine.extra.get(key)
+        numbers = isinstance(value, float) and isinstance(other, float)
+        if not (_close(other, value) if numbers else other == value):
+            diffs.append(f"{key}: ember {mine.extra.get(key)!r}, Lightning {value!r}")
     loss_or_param = [d for d in diffs if d.startswith(("loss", "parameter", "training batches"))]
     record.bitwise = not loss_or_param
     return record
