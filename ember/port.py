@@ -123,9 +123,8 @@ UNSUPPORTED = {
     "utilities.imports.": "Lightning's private availability flags: try the import yourself",
     "utilities.model_helpers.get_torchvision_model": "call torchvision.models.get_model(name, weights=...)",
     "utilities.": "not in ember: keep a copy of what you use",
-    "core.optimizer.LightningOptimizer": "ember's self.optimizers() returns the torch optimizers: use "
-    "torch.optim.Optimizer",
-    "LightningOptimizer": "ember's self.optimizers() returns the torch optimizers: use torch.optim.Optimizer",
+    "LightningOptimizer": "ember's self.optimizers() returns its own wrapper, not exported: test the torch "
+    "optimizer it wraps, opt.optimizer (as Lightning's wrapper has it)",
     "Fabric": "ember has no Fabric: use TrainingModule and Trainer, or plain PyTorch",
     "fabric.": "ember has no Fabric: use TrainingModule and Trainer, or plain PyTorch",
     "cli.LightningCLI": "use the ember command: `ember fit -c config.yaml` (docs/cli.md)",
