@@ -9,6 +9,7 @@
     ember export --ckpt last -c configs/digits.yaml --format onnx --out exports
     ember tune lr -c configs/digits.yaml
     ember sweep -c configs/digits.yaml --space configs/sweeps/digits.yaml --trials 12 --workers 2
+    ember port model.py
 
 Every config mistake is found before anything is built: one line on stderr, exit code 2, no run
 directory (``--debug`` adds the traceback). The schema and the checks live in `ember.config`.
@@ -82,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ember.tuning.cli import add_parsers  # `ember tune` and `ember sweep` live in ember/tuning/
 
     add_parsers(commands)
+    from ember.port import add_parser as add_port_parser  # `ember port` lives in ember/port.py
+
+    add_port_parser(commands)
     return parser
 
 
@@ -112,6 +116,10 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
         from ember.export.command import run as run_export
 
         return run_export(args, overrides)
+    if args.command == "port":
+        from ember.port import run as run_port
+
+        return run_port(args, overrides)
     if args.command in ("tune", "sweep"):
         from ember.tuning.cli import run as run_tuning
 

@@ -826,7 +826,8 @@ def port_files(
         else:
             where = "unchanged"
         todo = f"; {len(result.notes)} left to edit by hand (listed above)" if result.notes else ""
-        print(f"ember port: {path}: {len(result.mapped)} Lightning names mapped, {where}{todo}", file=stderr)
+        mapped = f"{len(result.mapped)} Lightning name{'s' * (len(result.mapped) != 1)} mapped"
+        print(f"ember port: {path}: {mapped}, {where}{todo}", file=stderr)
     return 1 if left else 0
 
 
