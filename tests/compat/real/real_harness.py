@@ -210,7 +210,7 @@ def _compare_tensors(kind: str, mine: Mapping[str, torch.Tensor], theirs: Mappin
         other = mine[name]
         if other.shape != value.shape or not torch.equal(other, value):
             diff = (other.double() - value.double()).abs().max().item() if other.shape == value.shape else math.inf
-            out.append(f"{kind} {name}: not bitwise equal (max |diff| {diff:.3g})")
+            out.append(f"{kind} {name}: not bitwise equal (largest difference {diff:.3g})")
     if len(out) > 3:  # the first ones say enough
         out[3:] = [f"{kind}: {len(out) - 3} more differ"]
     return out
@@ -301,34 +301,45 @@ def write_results(records: Sequence[Record], path: Path) -> None:
     path.write_text(json.dumps(rows, indent=2) + "\n")
 
 
-def table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The Markdown table of results (rows as `write_results` writes them)."""
+def table(rows: Sequence[Mapping[str, Any]], legend: Mapping[str, str] | None = None) -> str:
+    """The Markdown table of results (rows as `write_results` writes them): per module whether the port left
+    names to edit, whether ember ran it, whether losses and parameters were bitwise equal, and the gaps it hits
+    (by name) with the first difference or ember's error. `legend` (gap name -> text) adds a list of the gaps."""
     lines = [
-        "| module | follows | ported with 0 edits | runs | bitwise | difference / gap |",
+        "| module | follows | ported with 0 edits | runs | bitwise | gaps; first difference |",
         "|---|---|---|---|---|---|",
     ]
+    used: list[str] = []
     for row in sorted(rows, key=lambda r: r["name"]):
         yes = {True: "yes", False: "no"}
-        what = [*row["gaps"]] or (["-"] if row["ok"] else [])
+        what = [f"`{g}`" for g in row["gaps"]]
+        used += [g for g in row["gaps"] if g not in used]
         if not row["ran"] and row["error"]:
-            what.append(f"ember: {row['error']}")
+            what.append(f"ember: {row['error'].split(': ')[0]}")
         elif row["differences"]:
             what.append(row["differences"][0])
-        edits = yes[row["ported_clean"]] + ("" if row["ported_clean"] else f" ({len(row['unmapped'])} names)")
-        lines.append(
-            f"| `{row['name']}` | {row['follows']} | {edits} | {yes[row['ran']]} | "
-            f"{yes[row['bitwise']] if row['ran'] else '-'} | {'; '.join(what)} |"
-        )
-    return "\n".join(lines) + "\n"
+        n = len(row["unmapped"])
+        edits = "yes" if row["ported_clean"] else f"no ({n} name{'s' * (n != 1)})"
+        bitwise = yes[row["bitwise"]] if row["ran"] else "-"
+        cells = [f"`{row['name']}`", row["follows"], edits, yes[row["ran"]], bitwise, "; ".join(what) or "-"]
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    text = "\n".join(lines) + "\n"
+    if legend:
+        text += "\n" + "".join(f"- `{g}`: {text_}\n" for g, text_ in legend.items() if g in used)
+    return text
 
 
 def main(argv: Sequence[str] | None = None, out: Callable[[str], Any] = print) -> int:
-    """``python real_harness.py RESULTS.json``: print the Markdown table of a results file."""
+    """``python real_harness.py RESULTS.json``: print the Markdown table of a results file, with the legend of
+    the gaps (`test_real_modules.GAPS`)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
         out("usage: real_harness.py RESULTS.json")
         return 2
-    out(table(json.loads(Path(args[0]).read_text())))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_real_modules import GAPS
+
+    out(table(json.loads(Path(args[0]).read_text()), GAPS))
     return 0
 
 
