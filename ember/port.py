@@ -31,7 +31,7 @@ import importlib
 import io
 import sys
 import tokenize
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -290,6 +290,8 @@ def resolve(parts: Sequence[str]) -> Target | str:
             return Target("ember.utilities")
         return _advice(parts)
     name = parts[-1]
+    if name.startswith("__"):  # pl.__version__, pl.__file__: about Lightning's package itself
+        return "an attribute of Lightning's own package: nothing of ember's corresponds"
     if name in PENDING:
         for module in PENDING[name]:
             if name in _exports(module):
@@ -856,9 +858,3 @@ def run(args: argparse.Namespace, extra: Sequence[str] = ()) -> int:
         return 2
     out = Path(args.out) if args.out else None
     return port_files([Path(f) for f in args.files], out=out, diff=args.diff)
-
-
-def iter_notes(results: Iterable[PortResult]) -> Iterator[Note]:
-    """Every note of several results, in order (for reports over many files)."""
-    for result in results:
-        yield from result.notes

@@ -427,6 +427,10 @@ def test_split_lightning_knows_the_import_roots() -> None:
     assert split_lightning("lightning_utilities.core") is None and split_lightning("torch") is None
 
 
+def test_lightnings_own_package_attributes_are_not_mapped() -> None:
+    assert notes("import lightning.pytorch as pl\nprint(pl.__version__)\n") == [(2, "lightning.pytorch.__version__")]
+
+
 # --- the command -------------------------------------------------------------------------------------------------
 LIGHTNING_FILE = "import lightning.pytorch as pl\n\n\nclass M(pl.LightningModule):\n    pass\n"
 PORTED_FILE = "import ember\n\n\nclass M(ember.TrainingModule):\n    pass\n"

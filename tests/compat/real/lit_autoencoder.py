@@ -59,8 +59,9 @@ class LitAutoEncoder(LightningModule):
     def __init__(self, hidden_dim: int = 32, learning_rate=1e-2):
         super().__init__()
         self.save_hyperparameters()
-        self.encoder = nn.Sequential(nn.Linear(SIDE * SIDE, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, 3))
-        self.decoder = nn.Sequential(nn.Linear(3, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, SIDE * SIDE))
+        pixels = SIDE * SIDE
+        self.encoder = nn.Sequential(nn.Linear(pixels, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, 3))
+        self.decoder = nn.Sequential(nn.Linear(3, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, pixels))
 
     def forward(self, x):
         return self.decoder(self.encoder(x))
@@ -75,20 +76,21 @@ class LitAutoEncoder(LightningModule):
         self._common_step(batch, batch_idx, "test")
 
     def predict_step(self, batch, batch_idx, dataloader_idx=None):
-        return self(self._prepare_batch(batch))
+        return self(self._flat(batch))
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=self.hparams.learning_rate)
 
-    def _prepare_batch(self, batch):
-        x, _ = batch
-        return x.view(x.size(0), -1)
+    @staticmethod
+    def _flat(batch):
+        images = batch[0]
+        return images.flatten(start_dim=1)
 
     def _common_step(self, batch, batch_idx, stage: str):
-        x = self._prepare_batch(batch)
-        loss = F.mse_loss(x, self(x))
-        self.log(f"{stage}_loss", loss, on_step=True)
-        return loss
+        flat = self._flat(batch)
+        reconstruction_error = F.mse_loss(flat, self(flat))
+        self.log(f"{stage}_loss", reconstruction_error, on_step=True)
+        return reconstruction_error
 
 
 class MyDataModule(LightningDataModule):

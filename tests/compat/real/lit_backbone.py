@@ -18,46 +18,44 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class Backbone(torch.nn.Module):
+    """Two linear layers over the flattened image, ReLU after each."""
+
     def __init__(self, hidden_dim=32):
         super().__init__()
         self.l1 = torch.nn.Linear(8 * 8, hidden_dim)
         self.l2 = torch.nn.Linear(hidden_dim, 10)
 
     def forward(self, x):
-        x = x.view(x.size(0), -1)
-        x = torch.relu(self.l1(x))
-        return torch.relu(self.l2(x))
+        hidden = torch.relu(self.l1(x.flatten(1)))
+        return torch.relu(self.l2(hidden))
 
 
 class LitClassifier(L.LightningModule):
     def __init__(self, backbone: Backbone | None = None, learning_rate: float = 5e-3):
         super().__init__()
         self.save_hyperparameters(ignore=["backbone"])
-        if backbone is None:
-            backbone = Backbone()
-        self.backbone = backbone
+        self.backbone = backbone if backbone is not None else Backbone()
 
     def forward(self, x):
         return self.backbone(x)
 
+    def _loss(self, batch):
+        inputs, labels = batch
+        return F.cross_entropy(self(inputs), labels)
+
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
+        loss = self._loss(batch)
         self.log("train_loss", loss, on_epoch=True)
         return loss
 
     def validation_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log("valid_loss", loss, on_step=True)
+        self.log("valid_loss", self._loss(batch), on_step=True)
 
     def test_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("test_loss", F.cross_entropy(self(x), y))
+        self.log("test_loss", self._loss(batch))
 
     def predict_step(self, batch, batch_idx, dataloader_idx=None):
-        x, _ = batch
-        return self(x)
+        return self(batch[0])
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=self.hparams.learning_rate)

@@ -58,65 +58,63 @@ class DQN(nn.Module):
         return self.net(x.float())
 
 
-Experience = namedtuple("Experience", field_names=["state", "action", "reward", "done", "new_state"])
+Transition = namedtuple("Transition", ["obs", "action", "reward", "terminal", "next_obs"])
 
 
-class ReplayBuffer:
+class ReplayMemory:
+    """The last `capacity` transitions; `draw` picks `count` of them without replacement (Python's random)."""
+
     def __init__(self, capacity: int) -> None:
-        self.buffer = deque(maxlen=capacity)
+        self.memory: deque[Transition] = deque(maxlen=capacity)
 
     def __len__(self) -> int:
-        return len(self.buffer)
+        return len(self.memory)
 
-    def append(self, experience: Experience) -> None:
-        self.buffer.append(experience)
+    def push(self, transition: Transition) -> None:
+        self.memory.append(transition)
 
-    def sample(self, batch_size: int) -> tuple:
-        indices = random.sample(range(len(self.buffer)), batch_size)
-        states, actions, rewards, dones, next_states = zip(*(self.buffer[idx] for idx in indices), strict=True)
-        return (
-            torch.tensor(states),
-            torch.tensor(actions),
-            torch.tensor(rewards, dtype=torch.float32),
-            torch.tensor(dones, dtype=torch.bool),
-            torch.tensor(next_states),
-        )
+    def draw(self, count: int) -> list[Transition]:
+        return [self.memory[i] for i in random.sample(range(len(self.memory)), count)]
 
 
-class RLDataset(IterableDataset):
-    def __init__(self, buffer: ReplayBuffer, sample_size: int = 32) -> None:
-        self.buffer = buffer
+class ReplayStream(IterableDataset):
+    """One pass yields `sample_size` transitions drawn afresh from the memory, as tensors."""
+
+    def __init__(self, memory: ReplayMemory, sample_size: int = 32) -> None:
+        self.memory = memory
         self.sample_size = sample_size
 
     def __iter__(self) -> Iterator:
-        states, actions, rewards, dones, new_states = self.buffer.sample(self.sample_size)
-        for i in range(len(dones)):
-            yield states[i], actions[i], rewards[i], dones[i], new_states[i]
+        for t in self.memory.draw(self.sample_size):
+            yield (
+                torch.tensor(t.obs),
+                torch.tensor(t.action),
+                torch.tensor(t.reward, dtype=torch.float32),
+                torch.tensor(t.terminal),
+                torch.tensor(t.next_obs),
+            )
 
 
-class Agent:
-    def __init__(self, env: Corridor, replay_buffer: ReplayBuffer) -> None:
-        self.env = env
-        self.replay_buffer = replay_buffer
-        self.state = self.env.reset()
+class Walker:
+    """Acts in the corridor, epsilon-greedy on a Q-network, and remembers what happened."""
 
-    def get_action(self, net: nn.Module, epsilon: float, device) -> int:
-        if random.random() < epsilon:
+    def __init__(self, env: Corridor, memory: ReplayMemory) -> None:
+        self.env, self.memory = env, memory
+        self.obs = env.reset()
+
+    def choose(self, q_net: nn.Module, epsilon: float, device) -> int:
+        explore = random.random() < epsilon
+        if explore:
             return self.env.sample_action()
-        state = torch.tensor([self.state])
-        if device not in ["cpu"]:
-            state = state.cuda(device)
-        _, action = torch.max(net(state), dim=1)
-        return int(action.item())
+        obs = torch.tensor([self.obs], device=None if device == "cpu" else device)
+        return int(q_net(obs).argmax(dim=1).item())
 
     @torch.no_grad()
-    def play_step(self, net: nn.Module, epsilon: float = 0.0, device="cpu") -> tuple[float, bool]:
-        action = self.get_action(net, epsilon, device)
-        new_state, reward, done = self.env.step(action)
-        self.replay_buffer.append(Experience(self.state, action, reward, done, new_state))
-        self.state = new_state
-        if done:
-            self.state = self.env.reset()
+    def act(self, q_net: nn.Module, epsilon: float = 0.0, device="cpu") -> tuple[float, bool]:
+        action = self.choose(q_net, epsilon, device)
+        next_obs, reward, done = self.env.step(action)
+        self.memory.push(Transition(self.obs, action, reward, done, next_obs))
+        self.obs = self.env.reset() if done else next_obs
         return reward, done
 
 
@@ -149,37 +147,36 @@ class DQNLightning(LightningModule):
         self.env = Corridor()
         self.net = DQN(self.env.observation_size, self.env.n_actions)
         self.target_net = DQN(self.env.observation_size, self.env.n_actions)
-        self.buffer = ReplayBuffer(self.replay_size)
-        self.agent = Agent(self.env, self.buffer)
+        self.memory = ReplayMemory(self.replay_size)
+        self.walker = Walker(self.env, self.memory)
         self.total_reward = 0.0
         self.episode_reward = 0.0
         self.populate(self.warm_start_steps)
 
-    def populate(self, steps: int = 1000) -> None:
-        for _ in range(steps):
-            self.agent.play_step(self.net, epsilon=1.0)
+    def populate(self, steps: int) -> None:
+        """Random moves until the memory holds `steps` transitions to learn from."""
+        while len(self.memory) < steps:
+            self.walker.act(self.net, epsilon=1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
-    def dqn_mse_loss(self, batch) -> torch.Tensor:
-        states, actions, rewards, dones, next_states = batch
-        state_action_values = self.net(states).gather(1, actions.unsqueeze(-1)).squeeze(-1)
+    def td_loss(self, batch) -> torch.Tensor:
+        """Squared temporal-difference error against the target network's greedy value."""
+        obs, actions, rewards, terminal, next_obs = batch
+        q_taken = self.net(obs).gather(1, actions.view(-1, 1)).view(-1)
         with torch.no_grad():
-            next_state_values = self.target_net(next_states).max(1)[0]
-            next_state_values[dones] = 0.0
-        expected = next_state_values.detach() * self.gamma + rewards
-        return nn.MSELoss()(state_action_values, expected)
+            bootstrap = self.target_net(next_obs).max(dim=1).values.masked_fill(terminal, 0.0)
+        return nn.functional.mse_loss(q_taken, rewards + self.gamma * bootstrap)
 
     def training_step(self, batch, nb_batch) -> OrderedDict:
         device = self.get_device(batch)
         epsilon = max(self.eps_end, self.eps_start - (self.global_step + 1) / self.eps_last_frame)
-        reward, done = self.agent.play_step(self.net, epsilon, device)
+        reward, done = self.walker.act(self.net, epsilon, device)
         self.episode_reward += reward
-        loss = self.dqn_mse_loss(batch)
         if done:
-            self.total_reward = self.episode_reward
-            self.episode_reward = 0.0
+            self.total_reward, self.episode_reward = self.episode_reward, 0.0
+        loss = self.td_loss(batch)
         if self.global_step % self.sync_rate == 0:
             self.target_net.load_state_dict(self.net.state_dict())
         log = {
@@ -195,7 +192,7 @@ class DQNLightning(LightningModule):
         return [optim.Adam(self.net.parameters(), lr=self.lr)]
 
     def __dataloader(self) -> DataLoader:
-        dataset = RLDataset(self.buffer, self.episode_length)
+        dataset = ReplayStream(self.memory, self.episode_length)
         return DataLoader(dataset=dataset, batch_size=self.batch_size, sampler=None)
 
     def train_dataloader(self) -> DataLoader:

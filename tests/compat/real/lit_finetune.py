@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 
 class MilestonesFinetuning(BaseFinetuning):
+    """Frozen extractor first; its last block joins the optimizer at the first milestone, the rest at the second."""
+
     def __init__(self, milestones: tuple = (1, 2), train_bn: bool = False):
         super().__init__()
         self.milestones = milestones
@@ -38,14 +40,10 @@ class MilestonesFinetuning(BaseFinetuning):
         self.freeze(modules=pl_module.feature_extractor, train_bn=self.train_bn)
 
     def finetune_function(self, pl_module: LightningModule, epoch: int, optimizer: Optimizer):
-        if epoch == self.milestones[0]:  # the last block first
-            self.unfreeze_and_add_param_group(
-                modules=pl_module.feature_extractor[-3:], optimizer=optimizer, train_bn=self.train_bn
-            )
-        elif epoch == self.milestones[1]:  # then everything below it
-            self.unfreeze_and_add_param_group(
-                modules=pl_module.feature_extractor[:-3], optimizer=optimizer, train_bn=self.train_bn
-            )
+        blocks = {self.milestones[0]: slice(-3, None), self.milestones[1]: slice(None, -3)}
+        if epoch in blocks:
+            layers = pl_module.feature_extractor[blocks[epoch]]
+            self.unfreeze_and_add_param_group(modules=layers, optimizer=optimizer, train_bn=self.train_bn)
 
 
 class TwoClassImageDataModule(LightningDataModule):
@@ -133,31 +131,25 @@ class TransferLearningModel(LightningModule):
     def loss(self, logits, labels):
         return self.loss_func(input=logits, target=labels)
 
+    def _logits_and_targets(self, batch):
+        images, labels = batch
+        return self(images), labels.float().unsqueeze(1)
+
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        y_logits = self.forward(x)
-        y_true = y.view((-1, 1)).type_as(x)
-        train_loss = self.loss(y_logits, y_true)
-        self.log("train_acc", self.train_acc(torch.sigmoid(y_logits), y_true.int()), prog_bar=True)
-        return train_loss
+        logits, targets = self._logits_and_targets(batch)
+        self.log("train_acc", self.train_acc(logits.sigmoid(), targets.int()), prog_bar=True)
+        return self.loss(logits, targets)
 
     def validation_step(self, batch, batch_idx):
-        x, y = batch
-        y_logits = self.forward(x)
-        y_true = y.view((-1, 1)).type_as(x)
-        self.log("val_loss", self.loss(y_logits, y_true), prog_bar=True)
-        self.log("val_acc", self.valid_acc(torch.sigmoid(y_logits), y_true.int()), prog_bar=True)
+        logits, targets = self._logits_and_targets(batch)
+        self.log("val_loss", self.loss(logits, targets), prog_bar=True)
+        self.log("val_acc", self.valid_acc(logits.sigmoid(), targets.int()), prog_bar=True)
 
     def configure_optimizers(self):
-        parameters = list(self.parameters())
-        trainable_parameters = list(filter(lambda p: p.requires_grad, parameters))
-        rank_zero_info(
-            f"The model will start training with only {len(trainable_parameters)} "
-            f"trainable parameters out of {len(parameters)}."
-        )
-        optimizer = optim.Adam(trainable_parameters, lr=self.lr)
-        scheduler = MultiStepLR(optimizer, milestones=self.milestones, gamma=self.lr_scheduler_gamma)
-        return [optimizer], [scheduler]
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        rank_zero_info(f"Training starts with {len(trainable)} of {len(list(self.parameters()))} parameter tensors.")
+        optimizer = optim.Adam(trainable, lr=self.lr)
+        return [optimizer], [MultiStepLR(optimizer, milestones=self.milestones, gamma=self.lr_scheduler_gamma)]
 
 
 def main(root_dir: str, callbacks=(), **trainer_options):

@@ -131,41 +131,35 @@ class GLUETransformer(LightningModule):
         self.outputs[dataloader_idx].append({"loss": val_loss, "preds": preds, "labels": batch["labels"]})
 
     def on_validation_epoch_end(self):
-        for i, outputs in self.outputs.items():
-            split = self.hparams.eval_splits[i].split("_")[-1]
-            preds = torch.cat([x["preds"] for x in outputs])
-            labels = torch.cat([x["labels"] for x in outputs])
-            loss = torch.stack([x["loss"] for x in outputs]).mean()
-            self.log(f"val_loss_{split}", loss, prog_bar=True)
-            self.log_dict({f"accuracy_{split}": (preds == labels).float().mean()}, prog_bar=True)
+        for dataloader_idx, outputs in self.outputs.items():
+            split = self.hparams.eval_splits[dataloader_idx].rsplit("_", 1)[-1]  # matched / mismatched
+            correct = torch.cat([(o["preds"] == o["labels"]).float() for o in outputs])
+            self.log(f"val_loss_{split}", torch.stack([o["loss"] for o in outputs]).mean(), prog_bar=True)
+            self.log_dict({f"accuracy_{split}": correct.mean()}, prog_bar=True)
         self.outputs.clear()
 
     def configure_optimizers(self):
-        model = self.model
-        no_decay = ["bias", "LayerNorm.weight"]
-        optimizer_grouped_parameters = [
-            {
-                "params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
-                "weight_decay": self.hparams.weight_decay,
-            },
-            {
-                "params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
-                "weight_decay": 0.0,
-            },
-        ]
+        """AdamW without decay on biases and LayerNorm weights; linear warmup, then linear decay to zero at the
+        last step the trainer will take."""
+        no_decay = ("bias", "LayerNorm.weight")
+        decayed, plain = [], []
+        for name, param in self.model.named_parameters():
+            (plain if name.endswith(no_decay) else decayed).append(param)
         optimizer = torch.optim.AdamW(
-            optimizer_grouped_parameters, lr=self.hparams.learning_rate, eps=self.hparams.adam_epsilon
+            [{"params": decayed, "weight_decay": self.hparams.weight_decay}, {"params": plain, "weight_decay": 0.0}],
+            lr=self.hparams.learning_rate,
+            eps=self.hparams.adam_epsilon,
         )
-        total = self.trainer.estimated_stepping_batches
-        warmup = self.hparams.warmup_steps
+        total, warmup = self.trainer.estimated_stepping_batches, self.hparams.warmup_steps
 
-        def linear_warmup(step: int) -> float:
-            if step < warmup:
-                return float(step) / float(max(1, warmup))
-            return max(0.0, float(total - step) / float(max(1, total - warmup)))
+        def factor(step: int) -> float:
+            return step / max(1, warmup) if step < warmup else max(0.0, (total - step) / max(1, total - warmup))
 
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup)
-        scheduler = {"scheduler": scheduler, "interval": "step", "frequency": 1}
+        scheduler = {
+            "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, factor),
+            "interval": "step",
+            "frequency": 1,
+        }
         return [optimizer], [scheduler]
 
 

@@ -67,56 +67,48 @@ class MNISTLitModule(LightningModule):
         return self.net(x)
 
     def on_train_start(self) -> None:
-        self.val_loss.reset()
-        self.val_acc.reset()
-        self.val_acc_best.reset()
+        # the sanity check ran the validation metrics already: start them afresh
+        for metric in (self.val_loss, self.val_acc, self.val_acc_best):
+            metric.reset()
 
     def model_step(self, batch: tuple[torch.Tensor, torch.Tensor]):
-        x, y = batch
-        logits = self.forward(x)
-        loss = self.criterion(logits, y)
-        return loss, torch.argmax(logits, dim=1), y
+        inputs, labels = batch
+        logits = self(inputs)
+        return self.criterion(logits, labels), logits.argmax(dim=1), labels
 
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+    def _track(self, stage: str, batch) -> torch.Tensor:
         loss, preds, targets = self.model_step(batch)
-        self.train_loss(loss)
-        self.train_acc(preds, targets)
-        self.log("train/loss", self.train_loss, on_step=False, on_epoch=True, prog_bar=True)
-        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
+        mean, accuracy = getattr(self, f"{stage}_loss"), getattr(self, f"{stage}_acc")
+        mean(loss)
+        accuracy(preds, targets)
+        self.log(f"{stage}/loss", mean, on_step=False, on_epoch=True, prog_bar=True)
+        self.log(f"{stage}/acc", accuracy, on_step=False, on_epoch=True, prog_bar=True)
         return loss
 
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self._track("train", batch)
+
     def validation_step(self, batch, batch_idx: int) -> None:
-        loss, preds, targets = self.model_step(batch)
-        self.val_loss(loss)
-        self.val_acc(preds, targets)
-        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
-        self.log("val/acc", self.val_acc, on_step=False, on_epoch=True, prog_bar=True)
+        self._track("val", batch)
 
     def on_validation_epoch_end(self) -> None:
-        acc = self.val_acc.compute()
-        self.val_acc_best(acc)
+        self.val_acc_best(self.val_acc.compute())  # the best accuracy of any epoch so far
         self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True, prog_bar=True)
 
     def test_step(self, batch, batch_idx: int) -> None:
-        loss, preds, targets = self.model_step(batch)
-        self.test_loss(loss)
-        self.test_acc(preds, targets)
-        self.log("test/loss", self.test_loss, on_step=False, on_epoch=True, prog_bar=True)
-        self.log("test/acc", self.test_acc, on_step=False, on_epoch=True, prog_bar=True)
+        self._track("test", batch)
 
     def setup(self, stage: str) -> None:
-        if self.hparams.compile and stage == "fit":
+        if stage == "fit" and self.hparams.compile:
             self.net = torch.compile(self.net)
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = self.hparams.optimizer(params=self.trainer.model.parameters())
+        config: dict[str, Any] = {"optimizer": optimizer}
         if self.hparams.scheduler is not None:
-            scheduler = self.hparams.scheduler(optimizer=optimizer)
-            return {
-                "optimizer": optimizer,
-                "lr_scheduler": {"scheduler": scheduler, "monitor": "val/loss", "interval": "epoch", "frequency": 1},
-            }
-        return {"optimizer": optimizer}
+            schedule = {"scheduler": self.hparams.scheduler(optimizer=optimizer), "interval": "epoch", "frequency": 1}
+            config["lr_scheduler"] = {**schedule, "monitor": "val/loss"}
+        return config
 
 
 class MNISTDataModule(LightningDataModule):
@@ -143,19 +135,16 @@ class MNISTDataModule(LightningDataModule):
         pass  # the download would go here
 
     def setup(self, stage: str | None = None) -> None:
-        if self.trainer is not None:
-            if self.hparams.batch_size % self.trainer.world_size != 0:
-                raise RuntimeError(
-                    f"Batch size ({self.hparams.batch_size}) is not divisible by the number of devices "
-                    f"({self.trainer.world_size})."
-                )
-            self.batch_size_per_device = self.hparams.batch_size // self.trainer.world_size
-        if not self.data_train and not self.data_val and not self.data_test:
-            dataset = ConcatDataset(datasets=[_digits(128, seed=0), _digits(32, seed=1)])
+        if self.trainer is not None:  # each process loads its share of the batch
+            processes = self.trainer.world_size
+            if self.hparams.batch_size % processes:
+                raise RuntimeError(f"batch size {self.hparams.batch_size} does not split over {processes} devices")
+            self.batch_size_per_device = self.hparams.batch_size // processes
+        if self.data_train is None and self.data_val is None and self.data_test is None:  # once, for all stages
+            pool = ConcatDataset([_digits(128, seed=0), _digits(32, seed=1)])
+            split = torch.Generator().manual_seed(42)
             self.data_train, self.data_val, self.data_test = random_split(
-                dataset=dataset,
-                lengths=self.hparams.train_val_test_split,
-                generator=torch.Generator().manual_seed(42),
+                pool, self.hparams.train_val_test_split, generator=split
             )
 
     def train_dataloader(self) -> DataLoader[Any]:

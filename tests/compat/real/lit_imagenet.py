@@ -92,35 +92,32 @@ class ImageNetLightningModel(LightningModule):
         self.model = tiny_resnet()
         self.train_dataset: Dataset | None = None
         self.eval_dataset: Dataset | None = None
-        self.train_acc1 = Accuracy(task="multiclass", num_classes=NUM_CLASSES, top_k=1)
-        self.train_acc5 = Accuracy(task="multiclass", num_classes=NUM_CLASSES, top_k=5)
-        self.eval_acc1 = Accuracy(task="multiclass", num_classes=NUM_CLASSES, top_k=1)
-        self.eval_acc5 = Accuracy(task="multiclass", num_classes=NUM_CLASSES, top_k=5)
+        topk = {f"acc{k}": k for k in (1, 5)}
+        self.train_metrics = nn.ModuleDict(
+            {name: Accuracy(task="multiclass", num_classes=NUM_CLASSES, top_k=k) for name, k in topk.items()}
+        )
+        self.eval_metrics = nn.ModuleDict(
+            {name: Accuracy(task="multiclass", num_classes=NUM_CLASSES, top_k=k) for name, k in topk.items()}
+        )
 
     def forward(self, x):
         return self.model(x)
 
-    def training_step(self, batch, batch_idx):
+    def _shared(self, batch, prefix: str, metrics: nn.ModuleDict, prog_bar_loss: bool = False):
         images, target = batch
-        output = self.model(images)
-        loss_train = F.cross_entropy(output, target)
-        self.log("train_loss", loss_train)
-        self.train_acc1(output, target)
-        self.train_acc5(output, target)
-        self.log("train_acc1", self.train_acc1, prog_bar=True)
-        self.log("train_acc5", self.train_acc5, prog_bar=True)
-        return loss_train
+        logits = self(images)
+        loss = F.cross_entropy(logits, target)
+        self.log(f"{prefix}_loss", loss, prog_bar=prog_bar_loss)
+        for name, metric in metrics.items():
+            metric(logits, target)
+            self.log(f"{prefix}_{name}", metric, prog_bar=True)  # the Metric object: reduced at epoch end
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        return self._shared(batch, "train", self.train_metrics)
 
     def eval_step(self, batch, batch_idx, prefix: str):
-        images, target = batch
-        output = self.model(images)
-        loss_val = F.cross_entropy(output, target)
-        self.log(f"{prefix}_loss", loss_val)
-        self.eval_acc1(output, target)
-        self.eval_acc5(output, target)
-        self.log(f"{prefix}_acc1", self.eval_acc1, prog_bar=True)
-        self.log(f"{prefix}_acc5", self.eval_acc5, prog_bar=True)
-        return loss_val
+        return self._shared(batch, prefix, self.eval_metrics)
 
     def validation_step(self, batch, batch_idx):
         return self.eval_step(batch, batch_idx, "val")
@@ -130,14 +127,14 @@ class ImageNetLightningModel(LightningModule):
 
     def configure_optimizers(self):
         optimizer = optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
-        scheduler = lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.5 ** (epoch // 1))
+        scheduler = lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.5**epoch)
         return [optimizer], [scheduler]
 
     def setup(self, stage: str):
-        if isinstance(self.trainer.strategy, ParallelStrategy):
-            num_processes = max(1, self.trainer.strategy.num_processes)
-            self.batch_size = int(self.batch_size / num_processes)
-            self.workers = int(self.workers / num_processes)
+        strategy = self.trainer.strategy
+        if isinstance(strategy, ParallelStrategy):  # per-process share of the batch and the workers
+            share = max(1, strategy.num_processes)
+            self.batch_size, self.workers = self.batch_size // share, self.workers // share
         if stage == "fit":
             self.train_dataset = SyntheticImages(64, seed=0, train=True)
         self.eval_dataset = SyntheticImages(32, seed=1, train=False)

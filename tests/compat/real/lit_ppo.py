@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.distributions import Categorical
+from torch.nn import functional as F
 from torch.optim.optimizer import Optimizer
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -89,55 +90,57 @@ class PPOLightning(LightningModule):
         return pi, action, self.critic(x)
 
     def discount_rewards(self, rewards: list[float], discount: float) -> list[float]:
-        cumul, total = [], 0.0
-        for r in reversed(rewards):
-            total = total * discount + r
-            cumul.append(total)
-        return list(reversed(cumul))
+        """Returns-to-go: each reward plus the discounted sum of those after it."""
+        out, running = [0.0] * len(rewards), 0.0
+        for i in range(len(rewards) - 1, -1, -1):
+            running = rewards[i] + discount * running
+            out[i] = running
+        return out
 
     def generate_trajectory_samples(self):
-        states, actions, logps, rewards, values = [], [], [], [], []
+        """Roll the current policy out for `steps_per_epoch` steps, then yield (state, action, log-prob, return,
+        advantage) per step; the dataset's iterator is this generator."""
+        rollout = []
         for _ in range(self.steps_per_epoch):
             self.state = self.state.to(device=self.device)
             with torch.no_grad():
                 pi, action, value = self(self.state)
                 log_prob = self.actor.get_log_prob(pi, action)
             next_state, reward, done = self.env.step(self.state, int(action))
-            states.append(self.state)
-            actions.append(action)
-            logps.append(log_prob)
-            rewards.append(reward)
-            values.append(value.item())
+            rollout.append((self.state, action, log_prob, reward, value.item()))
             self.state = self.env.reset() if done else next_state
-        qvals = self.discount_rewards(rewards, self.gamma)
-        advantages = [q - v for q, v in zip(qvals, values, strict=True)]
+        rewards = [step[3] for step in rollout]
+        returns = self.discount_rewards(rewards, self.gamma)
         self.avg_reward = sum(rewards) / self.steps_per_epoch
-        yield from zip(states, actions, logps, qvals, advantages, strict=True)
+        for (state, action, log_prob, _, value), ret in zip(rollout, returns, strict=True):
+            yield state, action, log_prob, ret, ret - value
 
     def actor_loss(self, state, action, logp_old, adv) -> torch.Tensor:
+        """The clipped surrogate: the policy may not move the probability ratio beyond 1 +- clip_ratio."""
         pi, _ = self.actor(state)
-        ratio = torch.exp(self.actor.get_log_prob(pi, action) - logp_old)
-        clip_adv = torch.clamp(ratio, 1 - self.clip_ratio, 1 + self.clip_ratio) * adv
-        return -(torch.min(ratio * adv, clip_adv)).mean()
+        ratio = (self.actor.get_log_prob(pi, action) - logp_old).exp()
+        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - self.clip_ratio, 1 + self.clip_ratio) * adv)
+        return -surrogate.mean()
 
     def critic_loss(self, state, qval) -> torch.Tensor:
-        return (qval - self.critic(state).squeeze(-1)).pow(2).mean()
+        return F.mse_loss(self.critic(state).squeeze(-1), qval)
 
     def training_step(self, batch):
         state, action, old_logp, qval, adv = batch
         adv = (adv - adv.mean()) / (adv.std() + 1e-8)
         self.log("avg_reward", self.avg_reward, prog_bar=True, on_step=False, on_epoch=True)
         optimizer_actor, optimizer_critic = self.optimizers()
-        loss_actor = self.actor_loss(state, action, old_logp, adv)
-        self.manual_backward(loss_actor)
-        optimizer_actor.step()
+        losses = {}
         optimizer_actor.zero_grad()
-        loss_critic = self.critic_loss(state, qval.float())
-        self.manual_backward(loss_critic)
-        optimizer_critic.step()
+        losses["loss_actor"] = self.actor_loss(state, action, old_logp, adv)
+        self.manual_backward(losses["loss_actor"])
+        optimizer_actor.step()
         optimizer_critic.zero_grad()
-        self.log("loss_critic", loss_critic, on_step=False, on_epoch=True, prog_bar=False, logger=True)
-        self.log("loss_actor", loss_actor, on_step=False, on_epoch=True, prog_bar=True, logger=True)
+        losses["loss_critic"] = self.critic_loss(state, qval.float())
+        self.manual_backward(losses["loss_critic"])
+        optimizer_critic.step()
+        self.log("loss_critic", losses["loss_critic"], on_step=False, on_epoch=True, prog_bar=False, logger=True)
+        self.log("loss_actor", losses["loss_actor"], on_step=False, on_epoch=True, prog_bar=True, logger=True)
 
     def configure_optimizers(self) -> list[Optimizer]:
         optimizer_actor = torch.optim.Adam(self.actor.parameters(), lr=self.hparams.lr_actor)

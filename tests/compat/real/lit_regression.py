@@ -46,14 +46,12 @@ class LinearRegression(LightningModule):
         return self.linear(x)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        x, y = batch
-        x = x.view(x.size(0), -1)
-        loss = F.mse_loss(self(x), y, reduction="sum")
-        if self.hparams.l1_strength > 0:
-            loss += self.hparams.l1_strength * self.linear.weight.abs().sum()
-        if self.hparams.l2_strength > 0:
-            loss += self.hparams.l2_strength * self.linear.weight.pow(2).sum()
-        loss /= x.size(0)
+        inputs, targets = batch
+        inputs = inputs.flatten(1)
+        squared = F.mse_loss(self(inputs), targets, reduction="sum")
+        weight = self.linear.weight
+        penalty = self.hparams.l1_strength * weight.abs().sum() + self.hparams.l2_strength * weight.square().sum()
+        loss = (squared + penalty) / inputs.size(0)
         self.log("train_mse_loss", loss, prog_bar=True)
         return {"loss": loss, "log": {"train_mse_loss": loss}}
 

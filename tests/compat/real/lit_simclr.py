@@ -121,18 +121,13 @@ class SimCLR(LightningModule):
         return loss
 
     def exclude_from_wt_decay(self, named_params, weight_decay, skip_list=("bias", "bn")):
-        params, excluded_params = [], []
+        """Two parameter groups: decayed weights, and biases and norm parameters without decay."""
+        groups = {True: [], False: []}
         for name, param in named_params:
-            if not param.requires_grad:
-                continue
-            if any(layer_name in name for layer_name in skip_list) or param.ndim == 1:
-                excluded_params.append(param)
-            else:
-                params.append(param)
-        return [
-            {"params": params, "weight_decay": weight_decay},
-            {"params": excluded_params, "weight_decay": 0.0},
-        ]
+            if param.requires_grad:
+                skip = param.ndim == 1 or any(part in name for part in skip_list)
+                groups[skip].append(param)
+        return [{"params": groups[False], "weight_decay": weight_decay}, {"params": groups[True], "weight_decay": 0.0}]
 
     def configure_optimizers(self):
         if self.exclude_bn_bias:
@@ -151,16 +146,15 @@ class SimCLR(LightningModule):
         }
         return [optimizer], [scheduler]
 
-    def nt_xent_loss(self, out_1, out_2, temperature, eps=1e-6):
-        out = torch.cat([out_1, out_2], dim=0)
-        cov = torch.mm(out, out.t().contiguous())
-        sim = torch.exp(cov / temperature)
-        neg = sim.sum(dim=-1)
-        row_sub = Tensor(neg.shape).fill_(math.e ** (1 / temperature)).to(neg.device)
-        neg = torch.clamp(neg - row_sub, min=eps)
-        pos = torch.exp(torch.sum(out_1 * out_2, dim=-1) / temperature)
-        pos = torch.cat([pos, pos], dim=0)
-        return -torch.log(pos / (neg + eps)).mean()
+    def nt_xent_loss(self, out_1, out_2, temperature):
+        """NT-Xent: each embedding's partner view is its positive among all 2N - 1 others (cosine similarities
+        over `temperature`, a softmax cross-entropy per row)."""
+        z = torch.cat([out_1, out_2])
+        logits = z @ z.t() / temperature
+        logits.fill_diagonal_(float("-inf"))  # an embedding is not its own candidate
+        n = out_1.size(0)
+        partner = torch.cat([torch.arange(n, 2 * n), torch.arange(0, n)]).to(z.device)
+        return F.cross_entropy(logits, partner)
 
 
 def main(root_dir: str, callbacks=(), **trainer_options):

@@ -47,28 +47,28 @@ class VAE(LightningModule):
         self.fc_var = nn.Linear(self.enc_out_dim, self.latent_dim)
 
     def forward(self, x):
-        _, x_hat, _, _ = self._run_step(x)
-        return x_hat
+        return self._run_step(x)[1]
 
     def _run_step(self, x):
-        h = self.encoder(x)
-        mu, log_var = self.fc_mu(h), self.fc_var(h)
-        p, q, z = self.sample(mu, log_var)
-        return z, self.decoder(z).view_as(x), p, q
+        """Encode, draw a latent by the reparameterisation trick, decode: (z, x_hat, prior, posterior)."""
+        hidden = self.encoder(x)
+        prior, posterior, z = self.sample(self.fc_mu(hidden), self.fc_var(hidden))
+        return z, self.decoder(z).view_as(x), prior, posterior
 
     def sample(self, mu, log_var):
-        std = torch.exp(log_var / 2)
-        p = torch.distributions.Normal(torch.zeros_like(mu), torch.ones_like(std))
-        q = torch.distributions.Normal(mu, std)
-        return p, q, q.rsample()
+        posterior = torch.distributions.Normal(mu, (0.5 * log_var).exp())
+        prior = torch.distributions.Normal(torch.zeros_like(mu), torch.ones_like(mu))
+        return prior, posterior, posterior.rsample()
 
     def step(self, batch, batch_idx):
-        x, _ = batch
-        _, x_hat, p, q = self._run_step(x)
-        recon_loss = F.mse_loss(x_hat, x, reduction="mean")
-        kl = torch.distributions.kl_divergence(q, p).mean() * self.kl_coeff
-        loss = kl + recon_loss
-        return loss, {"recon_loss": recon_loss, "kl": kl, "loss": loss}
+        images = batch[0]
+        _, reconstruction, prior, posterior = self._run_step(images)
+        parts = {
+            "recon_loss": F.mse_loss(reconstruction, images),
+            "kl": self.kl_coeff * torch.distributions.kl_divergence(posterior, prior).mean(),
+        }
+        parts["loss"] = parts["kl"] + parts["recon_loss"]
+        return parts["loss"], parts
 
     def training_step(self, batch, batch_idx):
         loss, logs = self.step(batch, batch_idx)

@@ -47,8 +47,8 @@ HERE = Path(__file__).resolve().parent
 # Lightning's advice on workers and logging, and its own use of deprecated torch names.
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 
-#: The ember gaps the corpus still runs into, by short name (the docs table shows the names). Gaps closed in the
-#: library leave this table, and the modules they blocked lose their xfail (strict: a fixed gap fails here).
+#: The ember gaps the corpus still runs into, by short name (the docs table shows the names). A gap closed in the
+#: library leaves this table, and the modules it blocked lose their xfail (strict: a fixed gap fails here).
 GAPS = {
     "checkpoint_options": "ModelCheckpoint(auto_insert_metric_name=...) is not a parameter",
     "logger_options": "CSVLogger(save_dir, name=..., prefix=...): no `name` / `prefix` parameters",
@@ -126,13 +126,7 @@ CORPUS = [
     Case(
         "lit_hydra_mnist",
         "ashleve/lightning-hydra-template src/models/mnist_module.py, src/data/mnist_datamodule.py, src/train.py",
-        (
-            "checkpoint_options",
-            "logger_options",
-            "model_keyword",
-            "datamodule_trainer",
-            "weights_only",
-        ),
+        ("checkpoint_options", "logger_options", "model_keyword", "datamodule_trainer", "weights_only"),
     ),
     Case(
         "lit_simclr",
@@ -214,9 +208,7 @@ def _wikitext(root_dir: str) -> None:
     words = [f"w{i}" for i in range(40)]
     g = torch.Generator().manual_seed(0)
     lines = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (12,), generator=g)) for _ in range(120)]
-    Path(
-        "data",
-    ).mkdir(exist_ok=True)
+    Path("data").mkdir(exist_ok=True)
     Path("data/wikitext-2.txt").write_text("\n".join(lines) + "\n")
 
 
