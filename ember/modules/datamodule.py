@@ -6,7 +6,7 @@ import inspect
 from typing import Any
 
 from ember.modules.data_hooks import DataHooks
-from ember.modules.hparams import AttributeDict, collect_init_args
+from ember.modules.hparams import AttributeDict, init_args_to_record
 
 
 class DataModule(DataHooks):
@@ -34,17 +34,7 @@ class DataModule(DataHooks):
         """Record the arguments of the calling ``__init__`` in `hparams` (Lightning's call; ``logger`` is
         accepted for ports: a DataModule's hyperparameters are not sent to the loggers)."""
         frame = inspect.currentframe()
-        caller = frame.f_back if frame is not None else None
-        if caller is None:
-            raise RuntimeError("save_hyperparameters() must be called from __init__")
-        args = collect_init_args(caller)
-        unknown = [n for n in (*names, *ignore) if n not in args]
-        if unknown:
-            raise ValueError(
-                f"save_hyperparameters: {unknown} are not arguments of {type(self).__qualname__}.__init__; "
-                f"its arguments are {sorted(args)}"
-            )
-        self.hparams.update({k: args[k] for k in (names or tuple(args)) if k not in ignore})
+        self.hparams.update(init_args_to_record(self, frame.f_back if frame is not None else None, names, ignore))
 
     def setup(self, stage: str) -> None:
         """Build datasets for `stage` ("fit", "validate", "test" or "predict")."""

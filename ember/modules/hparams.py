@@ -29,3 +29,20 @@ def collect_init_args(frame: FrameType) -> dict[str, Any]:
     if info.keywords:
         args.update(info.locals.get(info.keywords, {}))
     return args
+
+
+def init_args_to_record(
+    owner: object, frame: FrameType | None, names: tuple[str, ...], ignore: list[str] | tuple[str, ...]
+) -> dict[str, Any]:
+    """What ``save_hyperparameters(*names, ignore=...)`` records: the arguments of the ``__init__`` running in
+    `frame` (all, or `names`), less `ignore`; a name that is no argument is an error that lists them."""
+    if frame is None:
+        raise RuntimeError("save_hyperparameters() must be called from __init__")
+    args = collect_init_args(frame)
+    unknown = [n for n in (*names, *ignore) if n not in args]
+    if unknown:
+        raise ValueError(
+            f"save_hyperparameters: {unknown} are not arguments of {type(owner).__qualname__}.__init__; "
+            f"its arguments are {sorted(args)}"
+        )
+    return {k: args[k] for k in (names or tuple(args)) if k not in ignore}

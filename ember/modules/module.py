@@ -27,7 +27,7 @@ from typing_extensions import Self
 from ember.modules.data_hooks import DataHooks
 from ember.modules.export_methods import ExportMethod
 from ember.modules.freezing import freeze, unfreeze
-from ember.modules.hparams import AttributeDict, collect_init_args
+from ember.modules.hparams import AttributeDict, init_args_to_record
 from ember.modules.manual import ManualOptimization
 
 if TYPE_CHECKING:
@@ -208,18 +208,7 @@ class TrainingModule(DataHooks, ManualOptimization):
         into checkpoints), as in Lightning.
         """
         frame = inspect.currentframe()
-        caller = frame.f_back if frame is not None else None
-        if caller is None:
-            raise RuntimeError("save_hyperparameters() must be called from __init__")
-        args = collect_init_args(caller)
-        unknown = [n for n in (*names, *ignore) if n not in args]
-        if unknown:
-            raise ValueError(
-                f"save_hyperparameters: {unknown} are not arguments of {type(self).__qualname__}.__init__; "
-                f"its arguments are {sorted(args)}"
-            )
-        keep = names or tuple(args)
-        recorded = {k: args[k] for k in keep if k not in ignore}
+        recorded = init_args_to_record(self, frame.f_back if frame is not None else None, names, ignore)
         self._hparams.update(recorded)
         self._hparams_to_loggers = logger
         from ember.checkpoint.hparams import not_saved
