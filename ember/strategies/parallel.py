@@ -221,6 +221,7 @@ class ParallelStrategy(Strategy):
         return out / self.world_size if reduce_fx == "mean" else out
 
     def barrier(self) -> None:
+        """Wait until every process of the job gets here (nothing to wait for before the process group exists)."""
         if dist.is_initialized():
             dist.barrier()
 

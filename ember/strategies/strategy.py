@@ -284,7 +284,7 @@ class Strategy:
         return tensor
 
     def barrier(self) -> None:
-        pass
+        """Wait until every process of the job gets here; one process has none to wait for."""
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
