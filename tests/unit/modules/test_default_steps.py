@@ -76,6 +76,8 @@ def fitted(data):
     trainer = ember.Trainer(max_epochs=4, callbacks=[losses], **TRAINER_KW)
     trainer.fit(module, loader(xt, yt), loader(xv, yv))
     trainer.step_losses = losses.losses  # for the tests below
+    # as the fit left them: a later validate/test/predict on this trainer shows its own (as in Lightning)
+    trainer.fit_metrics, trainer.fit_bar = dict(trainer.callback_metrics), dict(trainer.progress_bar_metrics)
     return module, trainer, before, loss_before
 
 
@@ -100,13 +102,13 @@ def test_default_steps_train(fitted, data):
     assert acc_after > 0.6
     # the default training_step logs train/loss on step: the value of the last batch
     assert len(trainer.step_losses) == 24
-    assert isinstance(trainer.callback_metrics["train/loss"], float)
-    assert trainer.callback_metrics["train/loss"] == pytest.approx(trainer.step_losses[-1], abs=1e-7)
+    assert isinstance(trainer.fit_metrics["train/loss"], float)
+    assert trainer.fit_metrics["train/loss"] == pytest.approx(trainer.step_losses[-1], abs=1e-7)
     assert trainer.step_losses[-1] < trainer.step_losses[0]
-    assert "train/loss" in trainer.progress_bar_metrics
+    assert "train/loss" in trainer.fit_bar
     # validation during fit reported val/loss and val/acc of the final epoch
-    assert trainer.callback_metrics["val/loss"] == pytest.approx(loss_after, abs=1e-5)
-    assert trainer.callback_metrics["val/acc"] == pytest.approx(acc_after, abs=1e-6)
+    assert trainer.fit_metrics["val/loss"] == pytest.approx(loss_after, abs=1e-5)
+    assert trainer.fit_metrics["val/acc"] == pytest.approx(acc_after, abs=1e-6)
 
 
 def test_default_validation_matches_hand_computation(fitted, data):
