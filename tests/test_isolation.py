@@ -53,7 +53,7 @@ import random
 
 import torch
 
-THREADS = {threads}
+THREADS = torch.get_num_threads()  # this process's own count, read before test_1 changes it
 
 
 def test_1_changes_the_random_streams_and_the_settings():
@@ -95,7 +95,7 @@ def test_what_a_test_changes_for_the_process_does_not_reach_the_next_test(
     pytester.makeconftest(conftest)
     pytester.makepyfile(
         test_1_workers=WORKERS_SEEDED_THEN_PARITY,
-        test_2_settings=SETTINGS_CHANGED.format(threads=torch.get_num_threads()),
+        test_2_settings=SETTINGS_CHANGED,
     )
     result = pytester.runpytest_subprocess("-p", "no:randomly", "-p", "no:cacheprovider", "-q", timeout=300)
     if restoring:
