@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 TESTS = Path(__file__).resolve().parent
 CONFTEST = (TESTS / "conftest.py").read_text(encoding="utf-8")
