@@ -17,6 +17,14 @@ GIL, whenever it happens. At exit, `let_workers_finish` still waits (releasing t
 until the workers have let go, so the holders can be dropped normally; a collective that has not finished
 by then keeps its holders for good (the process is ending).
 
+A worker's drop of a finished collective takes the GIL for another reason too: a collective issued during a
+backward pass (DDP's gradient all-reduce, FSDP's reduce-scatter) captures the thread-local state, which then
+holds a Python object (the context torch stashes for the backward), and freeing the work frees that hold. DDP
+and FSDP wait for those collectives before the backward returns, but the worker frees the work only when it
+next runs, which on a busy machine can be after the script ended (a two-process DDP run aborted this way in
+about 1 of 8 runs on 2 cores kept busy). So the exit also waits, at most as long, until every gloo worker
+thread (``pt_gloo_runloop``) is asleep, twice in a row; where threads cannot be read (no ``/proc``), it does not.
+
 Collectives that torch issues itself (the object collectives inside torch.distributed.checkpoint, and
 ``broadcast_object_list`` under `ParallelStrategy.broadcast`) create their own tensors, which this cannot
 reach.
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import os
 import threading
 import time
 from typing import Any
@@ -83,19 +92,50 @@ def _use_count(tensor: Tensor) -> int:
 
 
 def let_workers_finish(timeout_s: float = 1.0) -> bool:
-    """Wait, with the GIL released, until no worker thread holds a kept tensor (at most `timeout_s`); whether
-    they all let go. Then the holders are dropped; on a timeout they are kept for the rest of the process,
-    so that a worker finishing during interpreter shutdown still never takes the GIL."""
+    """Wait, with the GIL released, until no worker thread holds a kept tensor and every gloo worker thread is
+    asleep (at most `timeout_s`); whether they all let go. Then the holders are dropped; on a timeout they
+    are kept for the rest of the process, so that a worker finishing during interpreter shutdown still never
+    takes the GIL."""
     deadline = time.monotonic() + timeout_s
-    while held_by_workers():
+    asleep_in_a_row = 0
+    while True:
+        awake = gloo_workers_awake()
+        asleep_in_a_row = asleep_in_a_row + 1 if awake == 0 else 0
+        # Asleep twice in a row: a worker just woken to free its work is "ready to run" the second time.
+        if not held_by_workers() and (awake is None or asleep_in_a_row >= 2):
+            break
         if time.monotonic() >= deadline:
             with _LOCK:
                 ctypes.pythonapi.Py_IncRef(ctypes.py_object(list(_KEPT)))  # never freed: the process is ending
             return False
-        time.sleep(0.001)
+        time.sleep(0.002)
     with _LOCK:
         _KEPT.clear()
     return True
+
+
+#: The name gloo gives its worker threads (the process group's run loop), as /proc shows it.
+_GLOO_WORKER = b"pt_gloo_runloop"
+
+
+def gloo_workers_awake() -> int | None:
+    """How many of this process's gloo worker threads are not asleep (running, or ready to run); None where
+    there are none, or the threads cannot be read (no ``/proc``)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    seen = awake = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as stat:
+                head, _, rest = stat.read().rpartition(b") ")  # "tid (name) state ...": the name may hold ") "
+        except OSError:
+            continue  # the thread ended
+        if head.endswith(b"(" + _GLOO_WORKER):
+            seen += 1
+            awake += rest[:1] not in (b"S", b"D")  # S, D: blocked (idle, or in a collective that waits)
+    return awake if seen else None
 
 
 atexit.register(let_workers_finish)
