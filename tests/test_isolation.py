@@ -3,28 +3,31 @@ never reaches the next one.
 
 The case that showed it: `ember.seed_everything(42, workers=True)` (docs/migrating-from-lightning.md runs it)
 sets ``EMBER_SEED_WORKERS=1`` for the process, and a parity case of tests/exactness run after it in the same
-process then differed from the raw loop (its DataLoader workers were reseeded). Each check below runs a small
-pytest session of its own, in a fixed order, with the suite's conftest.py, and once more with its restoring
-fixture switched off, where the same tests must fail: the check itself is shown to see the leak.
+process then differed from the raw loop (its DataLoader workers were reseeded). The check below runs a small
+pytest session (in this process, in a fixed order) with the suite's conftest.py, and once more with its
+restoring fixture switched off, where the same tests must fail: the check itself is shown to see the leak.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+import torch._dynamo  # noqa: F401  (imported once here: importing it again in the same process fails)
 
 TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS / "exactness"))
+
+import exact_checks  # noqa: E402, F401  (the sessions below import it; pytester forgets what they imported)
+
 CONFTEST = (TESTS / "conftest.py").read_text(encoding="utf-8")
 AUTOUSE = "@pytest.fixture(autouse=True)\ndef _restore_global_state("
 assert AUTOUSE in CONFTEST
 
-WORKERS_SEEDED_THEN_PARITY = f"""
+WORKERS_SEEDED_THEN_PARITY = """
 import os
-import sys
-
-sys.path.insert(0, {str(TESTS / "exactness")!r})
 
 from exact_checks import check_parity
 from exact_workload import Config
@@ -96,7 +99,7 @@ def test_what_a_test_changes_for_the_process_does_not_reach_the_next_test(
         test_1_workers=WORKERS_SEEDED_THEN_PARITY,
         test_2_settings=SETTINGS_CHANGED,
     )
-    result = pytester.runpytest_subprocess("-p", "no:randomly", "-p", "no:cacheprovider", "-q", timeout=300)
+    result = pytester.runpytest_inprocess("-p", "no:randomly", "-p", "no:cacheprovider", "-q")
     if restoring:
         result.assert_outcomes(passed=9)
         return
