@@ -31,12 +31,12 @@ def loader(num_batches: int, batch_size: int = 2) -> DataLoader:
 
 
 class Net(TrainingModule):
-    """A linear regressor; `sleep` slows every training step, `skip(batch_idx)` returns None."""
+    """A linear regressor; every training step takes `sleep` seconds of `clock`, `skip(batch_idx)` returns None."""
 
-    def __init__(self, sleep: float = 0.0, skip: Any = None) -> None:
+    def __init__(self, sleep: float = 0.0, skip: Any = None, clock: Any = time) -> None:
         super().__init__()
         self.layer = nn.Linear(4, 1)
-        self.sleep = sleep
+        self.sleep, self.clock = sleep, clock
         self.skip = skip or (lambda batch_idx: False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,7 +44,7 @@ class Net(TrainingModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if self.sleep:
-            time.sleep(self.sleep)
+            self.clock.sleep(self.sleep)
         if self.skip(batch_idx):
             return None
         x, y = batch
@@ -213,24 +213,44 @@ def test_default_max_epochs() -> None:
 # --- max_time -------------------------------------------------------------------------
 
 
-def test_max_time_stops_training_early() -> None:
+class SimulatedClock:
+    """The loop's clock (in place of its `time` module), where time passes only in the training steps' `sleep`."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> SimulatedClock:
+    simulated = SimulatedClock()
+    monkeypatch.setattr("ember.trainer.loop.time", simulated)
+    return simulated
+
+
+def test_max_time_stops_training_early(clock: SimulatedClock) -> None:
     rec = Recorder()
-    trainer = make_trainer(rec, max_time=0.3, max_epochs=1)
-    trainer.fit(Net(sleep=0.05), loader(40), loader(2))
-    assert 0 < trainer.global_step < 40
+    trainer = make_trainer(rec, max_time=0.25, max_epochs=1)
+    trainer.fit(Net(sleep=1 / 16, clock=clock), loader(40), loader(2))
+    assert trainer.global_step == 4  # 4 steps of 1/16 s use up the 0.25 s
     assert rec.optimizer_steps == trainer.global_step == len(rec.train_batches)
     assert rec.epochs_ended == [0]
     # Stopped mid-epoch: the final weights are validated once.
     assert len(rec.val_runs) == 1
 
 
-def test_max_time_stops_across_epochs() -> None:
+def test_max_time_stops_across_epochs(clock: SimulatedClock) -> None:
     rec = Recorder()
-    trainer = make_trainer(rec, max_time=0.3)
-    trainer.fit(Net(sleep=0.02), loader(3))
+    trainer = make_trainer(rec, max_time=0.25)
+    trainer.fit(Net(sleep=1 / 64, clock=clock), loader(3))
     assert trainer.max_epochs == 1000
-    assert 0 < trainer.global_step < 3000
-    assert 1 <= len(rec.epochs_ended) < 1000
+    assert trainer.global_step == 16  # 16 steps of 1/64 s: 5 epochs of 3 and one step of the sixth
+    assert rec.epochs_ended == [0, 1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize(
