@@ -91,6 +91,9 @@ PENDING = {
     "cli_lightning_logo": ("ember.utilities",),
 }
 
+#: Lightning objects ember exports from a module other than the one `resolve` derives: name -> ember module.
+ELSEWHERE = {"LightningOptimizer": "ember.modules"}
+
 #: What to do about Lightning names ember has no counterpart for: "package.Name" (or "package." for a whole
 #: package, or "Name" for a top-level name) -> advice.
 UNSUPPORTED = {
@@ -123,8 +126,6 @@ UNSUPPORTED = {
     "utilities.imports.": "Lightning's private availability flags: try the import yourself",
     "utilities.model_helpers.get_torchvision_model": "call torchvision.models.get_model(name, weights=...)",
     "utilities.": "not in ember: keep a copy of what you use",
-    "LightningOptimizer": "ember's self.optimizers() returns its own wrapper, not exported: test the torch "
-    "optimizer it wraps, opt.optimizer (as Lightning's wrapper has it)",
     "Fabric": "ember has no Fabric: use TrainingModule and Trainer, or plain PyTorch",
     "fabric.": "ember has no Fabric: use TrainingModule and Trainer, or plain PyTorch",
     "cli.LightningCLI": "use the ember command: `ember fit -c config.yaml` (docs/cli.md)",
@@ -292,6 +293,8 @@ def resolve(parts: Sequence[str]) -> Target | str:
     name = parts[-1]
     if name.startswith("__"):  # pl.__version__, pl.__file__: about Lightning's package itself
         return "an attribute of Lightning's own package: nothing of ember's corresponds"
+    if name in ELSEWHERE and name in _exports(ELSEWHERE[name]):
+        return Target(ELSEWHERE[name], name)
     if name in PENDING:
         for module in PENDING[name]:
             if name in _exports(module):
@@ -563,7 +566,7 @@ class _Porter:
 
     def check_classes(self) -> None:
         """Methods a ported module or callback defines that ember does not call (listed, not changed)."""
-        from ember.callbacks.lightning_hooks import LIGHTNING_ONLY, MODULE_METHODS
+        from ember.callbacks.lightning_hooks import AUTOMATIC_ONLY, LIGHTNING_ONLY, MODULE_METHODS
 
         kinds: dict[str, str] = {}
         for node in ast.walk(self.tree):
@@ -588,10 +591,9 @@ class _Porter:
                 meaning: tuple[str, str] | None = LIGHTNING_ONLY.get(item.name)
                 if kind == "module" and meaning is None:
                     meaning = MODULE_METHODS.get(item.name)
-                if meaning is not None and manual and item.name in _AUTOMATIC_ONLY:
-                    advice = "Lightning never calls it under manual optimization, which this module uses: delete it"
-                    self.note(item, f"{node.name}.{item.name}", advice)
-                elif meaning is not None:
+                if meaning is not None and manual and item.name in AUTOMATIC_ONLY:
+                    continue  # under manual optimization neither framework calls it, and ember accepts it
+                if meaning is not None:
                     self.note(item, f"{node.name}.{item.name}", f"ember does not call it ({meaning[0]}); {meaning[1]}")
                 elif kind == "module" and item.name in REMOVED_METHODS:
                     self.note(item, f"{node.name}.{item.name}", REMOVED_METHODS[item.name])
@@ -601,10 +603,6 @@ class _Porter:
         for edit in sorted(self.edits, key=lambda e: e.start, reverse=True):
             data = data[: edit.start] + edit.text.encode("utf-8") + data[edit.end :]
         return data.decode("utf-8")
-
-
-#: Module methods Lightning calls only under automatic optimization.
-_AUTOMATIC_ONLY = {"optimizer_step", "optimizer_zero_grad", "backward", "configure_gradient_clipping"}
 
 
 def _sets_manual_optimization(cls: ast.ClassDef) -> bool:

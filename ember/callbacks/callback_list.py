@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import HOOK_NAMES, Callback
-from ember.callbacks.lightning_hooks import MODULE_METHODS, explain
+from ember.callbacks.lightning_hooks import AUTOMATIC_ONLY, MODULE_METHODS, explain
 from ember.hints import did_you_mean
 
 if TYPE_CHECKING:
@@ -31,14 +31,18 @@ def check_hook_names(obj: object, base: type) -> None:
     Only methods defined below `base` in the MRO are checked, so the framework's
     own classes never trip it. The hooks are `HOOK_NAMES` plus the ``on_*`` methods `base` has,
     its own or inherited (the module's batch-transfer and evaluation-mode hooks). A Lightning hook that ember does not
-    call gets an error naming what it meant in Lightning and the ember way.
+    call gets an error naming what it meant in Lightning and the ember way; a module under manual optimization may
+    define the methods Lightning calls under automatic optimization only (`AUTOMATIC_ONLY`): no one calls them.
     """
     valid = {*HOOK_NAMES, *(name for name in dir(base) if name.startswith("on_"))}
+    refused = set(MODULE_METHODS) if base is not Callback else set()
+    if not getattr(obj, "automatic_optimization", True):  # never called under manual optimization: left alone
+        refused -= AUTOMATIC_ONLY
     for klass in type(obj).__mro__:
         if klass is base or not issubclass(klass, base):
             continue
         for name, value in vars(klass).items():
-            if name in MODULE_METHODS and base is not Callback and callable(value):
+            if name in refused and callable(value):
                 raise AttributeError(explain(klass.__qualname__, name, is_callback=False))
             if name.startswith("on_") and callable(value) and name not in valid:
                 lightning = explain(klass.__qualname__, name, is_callback=base is Callback)

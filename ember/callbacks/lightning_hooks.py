@@ -90,6 +90,14 @@ MODULE_METHODS: dict[str, tuple[str, str]] = {
     ),
 }
 
+#: `MODULE_METHODS` Lightning calls under automatic optimization only. Under manual optimization
+#: (``automatic_optimization = False``) neither framework calls them, so a module may define them there (Lightning's
+#: examples keep an ``optimizer_step`` override that never runs); ``backward`` is not among them: Lightning's
+#: ``manual_backward`` calls it.
+AUTOMATIC_ONLY = frozenset(
+    {"optimizer_step", "optimizer_zero_grad", "lr_scheduler_step", "configure_gradient_clipping"}
+)
+
 #: Hooks Lightning calls on the module (or DataModule) only; a callback defining one gets this hint.
 MODULE_ONLY = (
     "on_before_batch_transfer",

@@ -40,8 +40,13 @@ class ModelCheckpoint(Callback):
     - ``save_last`` (default True): a ``last`` file in ``dirpath`` names the
       newest complete checkpoint; ``fit(ckpt_path="last")`` resumes from it.
     - ``dirpath`` defaults to ``<run dir>/checkpoints``; ``filename`` is a
-      template such as ``"{epoch}-{step}-{val/acc:.3f}"`` (each field becomes
-      ``name=value``, ``/`` in names becomes ``_``).
+      template such as ``"{epoch}-{step}-{val/acc:.3f}"``: as in Lightning,
+      each field becomes ``name=value`` (``"{epoch}-{val_loss:.2f}"`` names
+      ``epoch=0-val_loss=0.12``; ``/`` in a name becomes ``_``, since a
+      checkpoint is one directory), or only ``value`` with
+      ``auto_insert_metric_name=False`` (the rest of the template is kept as
+      written: ``"epoch_{epoch:03d}"`` names ``epoch_000``). A field that was
+      not logged is an error (Lightning writes 0).
     - ``save_weights_only`` writes module weights only (not resumable);
       ``async_save`` writes in a background thread while training goes on.
 
@@ -62,6 +67,7 @@ class ModelCheckpoint(Callback):
         train_time_interval: float | timedelta | None = None,
         save_weights_only: bool = False,
         async_save: bool = False,
+        auto_insert_metric_name: bool = True,
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint(mode={mode!r}): use 'min' or 'max'")
@@ -74,8 +80,14 @@ class ModelCheckpoint(Callback):
             raise ValueError(
                 f"ModelCheckpoint(filename={filename!r}) needs a field such as {{step}} to tell saves apart"
             )
+        if "/" in _FIELD.sub("", filename):
+            raise ValueError(
+                f"ModelCheckpoint(filename={filename!r}): a checkpoint is one directory in dirpath; drop the '/' "
+                "(put folders in dirpath)"
+            )
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.filename = filename
+        self.auto_insert_metric_name = auto_insert_metric_name
         self.monitor = monitor
         self.mode = mode
         self.save_top_k = save_top_k
@@ -202,7 +214,8 @@ class ModelCheckpoint(Callback):
                 raise KeyError(
                     f"ModelCheckpoint(filename={self.filename!r}): {key!r} was not logged; logged: {sorted(metrics)}"
                 )
-            return f"{key.replace('/', '_')}={format(value, spec)}"
+            text = format(value, spec)
+            return f"{key.replace('/', '_')}={text}" if self.auto_insert_metric_name else text
 
         return _FIELD.sub(field, self.filename)
 

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import csv
+import enum
 import io
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ember.checkpoint.files import atomic_write
 from ember.loggers.logger import Logger, public_params
+
+
+class _Layout(enum.Enum):
+    """The default of ``CSVLogger(name=...)``: ember's layout (no name or version folders)."""
+
+    RUN_DIR = "the run directory"
+
+    def __repr__(self) -> str:
+        return "<ember's layout: save_dir itself>"
 
 
 class CSVLogger(Logger):
@@ -21,10 +31,30 @@ class CSVLogger(Logger):
     the files go into the trainer's run directory. On resume, rows logged
     after the checkpoint's step are dropped, so the file reads as if the run
     had never stopped.
+
+    Lightning's layout and keys, on request: with ``name`` or ``version`` the files go to
+    ``<save_dir>/<name>/<version>`` as Lightning's ``CSVLogger`` puts them (``name=None`` or ``""``: no name
+    folder; ``version`` an int is ``version_<int>``, a string is the folder's name, None is the next free
+    ``version_N``). Without either (the default), the files go into ``save_dir`` itself: unlike Lightning,
+    whose default ``name`` is ``"lightning_logs"``. ``prefix`` is put before every metric key with a ``-``
+    (``prefix="fold0"`` writes ``fold0-train_loss`` and ``fold0-epoch``), as Lightning does.
     """
 
-    def __init__(self, save_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str] | None = None,
+        name: str | Literal[_Layout.RUN_DIR] | None = _Layout.RUN_DIR,
+        version: int | str | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__(save_dir)
+        if name is not _Layout.RUN_DIR and name is not None and not isinstance(name, str):
+            raise TypeError(f"CSVLogger(name={name!r}): use a folder name (a str), or None for none")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, (int, str))):
+            raise TypeError(f"CSVLogger(version={version!r}): use an int (version_<int>), a folder name, or None")
+        if not isinstance(prefix, str):
+            raise TypeError(f"CSVLogger(prefix={prefix!r}): use a str")
+        self._name, self._version, self.prefix = name, version, prefix
         self._rows: list[dict[str, Any]] = []
         self._columns: list[str] = ["step"]
         self._written = 0
@@ -33,12 +63,36 @@ class CSVLogger(Logger):
         self._adopted = False  # whether a metrics.csv already there was read (see `_adopt_existing`)
 
     @property
+    def name(self) -> str:
+        """The name folder (``""``: none), as Lightning's ``logger.name``."""
+        return "" if self._name is _Layout.RUN_DIR or self._name is None else self._name
+
+    @property
+    def version(self) -> int | str | None:
+        """The version: given, else the next free ``version_N`` under ``<save_dir>/<name>`` once the folder is
+        first asked for; None in ember's layout."""
+        if self._version is None and self._name is not _Layout.RUN_DIR:
+            self._version = _next_version(super().log_dir / self.name)
+        return self._version
+
+    @property
+    def log_dir(self) -> Path:
+        """``<save_dir>/<name>/<version>`` with a name or version, else ``save_dir`` (or the run directory)."""
+        base = super().log_dir
+        version = self.version
+        if version is None:
+            return base
+        return base / self.name / (version if isinstance(version, str) else f"version_{version}")
+
+    @property
     def metrics_path(self) -> Path:
         """``<log_dir>/metrics.csv``."""
         return self.log_dir / "metrics.csv"
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Buffer one row; a metric not seen before adds a column."""
+        """Buffer one row (its keys after `prefix`); a metric not seen before adds a column."""
+        if self.prefix:
+            metrics = {f"{self.prefix}-{key}": value for key, value in metrics.items()}
         row: dict[str, Any] = {"step": step, **metrics}
         for key in row:
             if key not in self._columns:
@@ -124,6 +178,16 @@ class CSVLogger(Logger):
         else:
             self._rows = [row for row in rows if int(row["step"]) <= state["step"]]
         self._header, self._written = [], 0  # rewrite on the next save
+
+
+def _next_version(root: Path) -> int:
+    """One more than the largest ``version_N`` folder in `root` (0 when there is none), as Lightning counts."""
+    numbers = [
+        int(path.name[len("version_") :])
+        for path in (root.iterdir() if root.is_dir() else [])
+        if path.is_dir() and path.name.startswith("version_") and path.name[len("version_") :].isdigit()
+    ]
+    return max(numbers) + 1 if numbers else 0
 
 
 def _plain(value: Any) -> Any:

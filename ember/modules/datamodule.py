@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ember.modules.data_hooks import DataHooks
 from ember.modules.hparams import AttributeDict, init_args_to_record
+
+if TYPE_CHECKING:
+    from ember.trainer.trainer import Trainer
 
 
 class DataModule(DataHooks):
@@ -18,11 +21,29 @@ class DataModule(DataHooks):
     whose dataloader method is not overridden has no data. The batch-transfer hooks
     (`on_before_batch_transfer`, `transfer_batch_to_device`, `on_after_batch_transfer`) change how a batch
     reaches the device; a DataModule's override wins over the module's. `state_dict` /
-    `load_state_dict` carry any state you want in checkpoints.
+    `load_state_dict` carry any state you want in checkpoints. `trainer` is the trainer of the run that uses it
+    (None before the first).
     """
 
     #: Run `prepare_data` on local rank 0 of every node (True) or on global rank 0 only (False).
     prepare_data_per_node: bool = True
+
+    @property
+    def trainer(self) -> Trainer | None:
+        """The trainer whose fit/validate/test/predict uses this DataModule, from the start of that run on (it
+        stays after the run, as in Lightning); None before any run (``if self.trainer is not None:`` in ``setup``
+        reads ``self.trainer.world_size``)."""
+        trainer: Trainer | None = self.__dict__.get("_trainer")
+        return trainer
+
+    @trainer.setter
+    def trainer(self, trainer: Trainer | None) -> None:
+        """Attach the DataModule to `trainer` (each run that uses it does), as Lightning's ``datamodule.trainer``."""
+        self.__dict__["_trainer"] = trainer
+
+    def attach(self, trainer: Trainer) -> None:
+        """Called by the trainer when a run that uses this DataModule starts: sets `trainer`."""
+        self.trainer = trainer
 
     @property
     def hparams(self) -> AttributeDict:

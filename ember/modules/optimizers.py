@@ -183,3 +183,9 @@ class ManualOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
+
+
+#: Lightning's name for the wrapper ``self.optimizers()`` returns, for ported code:
+#: ``from lightning.pytorch.core.optimizer import LightningOptimizer`` becomes ``from ember.modules import
+#: LightningOptimizer`` (`ember port` maps it), so ``isinstance(opt, LightningOptimizer)`` holds as in Lightning.
+LightningOptimizer = ManualOptimizer

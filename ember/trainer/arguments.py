@@ -25,6 +25,20 @@ def split_datamodule(call: str, loaders: Any, datamodule: DataModule | None) -> 
     return loaders, datamodule
 
 
+def the_module(call: str, module: TrainingModule | None, model: TrainingModule | None) -> TrainingModule | None:
+    """The module an entry point was given: ``module`` (ember's name) or ``model=`` (Lightning's name, so
+    ``trainer.fit(model=...)`` ports unchanged); both at once is a mistake."""
+    if module is not None and model is not None:
+        raise TypeError(f"{call}: got both module and model= (Lightning's name for it); pass the module once")
+    return module if module is not None else model
+
+
+def check_weights_only(call: str, weights_only: Any) -> None:
+    """``weights_only`` is Lightning 2's ``torch.load`` switch: None, True or False (see `Trainer.fit`)."""
+    if weights_only is not None and not isinstance(weights_only, bool):
+        raise TypeError(f"{call}: weights_only={weights_only!r} must be None, True or False")
+
+
 def check_not_datamodule(call: str, name: str, value: Any) -> None:
     if isinstance(value, DataModule):
         raise TypeError(f"{call}: {name} got a DataModule; pass it as datamodule=... (or second, in its place)")

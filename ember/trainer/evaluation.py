@@ -7,9 +7,11 @@ so a run that validates trains exactly like one that does not.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,11 +54,19 @@ def validate_in_fit(
     if trainer.options.lightning_rng and not sanity_check:
         run_evaluation(trainer, module, "validation", loaders, limits)
         return
+    with isolated_rng():
+        run_evaluation(trainer, module, "validation", loaders, limits)
+
+
+@contextlib.contextmanager
+def isolated_rng() -> Iterator[None]:
+    """Put the global random streams (Python, NumPy if loaded, torch CPU, the current CUDA device) back as they
+    were when the block ends, however it ends: what runs inside draws without moving training's streams."""
     py_state, np_state = random.getstate(), _numpy_state()
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=cuda):
-            run_evaluation(trainer, module, "validation", loaders, limits)
+            yield
     finally:
         random.setstate(py_state)
         if np_state is not None:
@@ -114,6 +124,7 @@ def run_evaluation(
                     if stage == "predict":
                         predictions[dl_idx].append(output)
                     hooks.on_eval_batch_end(stage, output, batch, batch_idx, *extra)
+        collector.set_suffix("")  # as in Lightning, the epoch-end hook logs plain names, whatever the last loader
         hooks.on_eval_epoch_end(stage)
         results = trainer.reporter.finish_eval(collector.epoch_values(), len(loaders))
         hooks.on_eval_end(stage)

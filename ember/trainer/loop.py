@@ -40,7 +40,7 @@ from ember.trainer.data import (
     set_epoch,
     unshuffled,
 )
-from ember.trainer.evaluation import validate_in_fit
+from ember.trainer.evaluation import isolated_rng, validate_in_fit
 from ember.trainer.optimization import (
     ManualSteps,
     build_optimizers,
@@ -142,6 +142,29 @@ class Clock:
         return self.max_time_s is not None and time.monotonic() - self.start >= self.max_time_s
 
 
+def fit_loaders(
+    trainer: Trainer, module: TrainingModule, train: Any, val: Any, datamodule: Any
+) -> tuple[Any, list[Any]]:
+    """A fit's training loader and validation loaders: given, the datamodule's, or the module's.
+
+    ``val_dataloader()`` is asked first, with every random stream put back afterwards, then
+    ``train_dataloader()``: the order and the isolation of Lightning, which asks for the validation loaders inside
+    its sanity check's isolated random state. A ``*_dataloader()`` that draws from the global generator (building a
+    random dataset, say) so leaves training's streams where Lightning leaves them.
+    """
+    with isolated_rng():
+        val_loaders = resolve_loaders("validation", val, datamodule, module)
+    train_loaders = resolve_loaders("train", train, datamodule, module)
+    if not train_loaders:
+        raise ValueError(
+            "fit needs training data: pass train_dataloaders, a datamodule with train_dataloader(), or define "
+            "train_dataloader() on the module"
+        )
+    if len(train_loaders) > 1:
+        raise ValueError("fit takes one training dataloader; combine datasets into one loader")
+    return (unshuffled(train_loaders[0]) if trainer.options.overfit_batches else train_loaders[0]), val_loaders
+
+
 class FitLoop:
     """One ``Trainer.fit``: its loaders, its epoch plan and the state the loop keeps while it runs."""
 
@@ -183,17 +206,7 @@ class FitLoop:
     def build(cls, trainer: Trainer, module: TrainingModule, train: Any, val: Any, datamodule: Any) -> FitLoop:
         """The loop of a fit: its loaders (given, the datamodule's, or the module's; distributed by the strategy),
         its epoch plan and its validation sizes. Every process must train on the same number of batches."""
-        options = trainer.options
-        train_loaders = resolve_loaders("train", train, datamodule, module)
-        if not train_loaders:
-            raise ValueError(
-                "fit needs training data: pass train_dataloaders, a datamodule with train_dataloader(), or define "
-                "train_dataloader() on the module"
-            )
-        if len(train_loaders) > 1:
-            raise ValueError("fit takes one training dataloader; combine datasets into one loader")
-        train_loader = unshuffled(train_loaders[0]) if options.overfit_batches else train_loaders[0]
-        val_loaders = resolve_loaders("validation", val, datamodule, module)
+        train_loader, val_loaders = fit_loaders(trainer, module, train, val, datamodule)
         loop = cls(trainer, module, train_loader, [], EpochPlan(0, 1, math.inf), [])
         loop.sources = (train, val, datamodule)
         loop.distribute(train_loader, val_loaders)
@@ -228,9 +241,7 @@ class FitLoop:
     def reload_loaders(self) -> None:
         """``reload_dataloaders_every_n_epochs``: ask the datamodule (or the module) for fresh loaders."""
         train, val, datamodule = self.sources
-        train_loaders = resolve_loaders("train", train, datamodule, self.module)
-        train_loader = unshuffled(train_loaders[0]) if self.trainer.options.overfit_batches else train_loaders[0]
-        self.distribute(train_loader, resolve_loaders("validation", val, datamodule, self.module))
+        self.distribute(*fit_loaders(self.trainer, self.module, train, val, datamodule))
 
     # --- stop conditions ---------------------------------------------------------------------
     def should_stop_in_epoch(self) -> bool:

@@ -88,11 +88,16 @@ class Reporter:
             logger.save()
 
     def finish_eval(self, metrics: dict[str, Any], num_loaders: int) -> list[dict[str, float]]:
-        """Store an evaluation's epoch metrics; split them per dataloader (none for the sanity check)."""
+        """Store an evaluation's epoch metrics; split them per dataloader (none for the sanity check): with several
+        dataloaders, a name ending in ``/dataloader_idx_N`` goes to dataloader N's dict, and a plain name (logged in
+        ``on_validation_epoch_end``, say) to every dict, as in Lightning."""
         if self.trainer.sanity_checking:
             return []
         self.log_epoch_metrics(metrics)
         floats = self.last_eval_metrics = to_floats(metrics)
         if num_loaders == 1:
             return [floats]
-        return [{k: v for k, v in floats.items() if k.endswith(f"/dataloader_idx_{i}")} for i in range(num_loaders)]
+        return [
+            {k: v for k, v in floats.items() if k.endswith(f"/dataloader_idx_{i}") or "/dataloader_idx_" not in k}
+            for i in range(num_loaders)
+        ]

@@ -87,6 +87,8 @@ def running(
     trainer.progress.begin_run()
     trainer.reporter.start_run()
     module.trainer = trainer
+    if datamodule is not None:
+        datamodule.attach(trainer)
     status = "failed"
     try:
         start(trainer, stage, module, datamodule)

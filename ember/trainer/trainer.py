@@ -31,7 +31,14 @@ from ember.modules.module import TrainingModule
 from ember.modules.optimizers import SchedulerConfig
 from ember.strategies.strategy import Strategy
 from ember.trainer import options, signals
-from ember.trainer.arguments import check_ckpt_path, check_fit, check_not_datamodule, split_datamodule
+from ember.trainer.arguments import (
+    check_ckpt_path,
+    check_fit,
+    check_not_datamodule,
+    check_weights_only,
+    split_datamodule,
+    the_module,
+)
 from ember.trainer.data import EpochPlan, as_list
 from ember.trainer.evaluation import EvalProgress, evaluate
 from ember.trainer.loop import FitLoop, FitState, stop_point
@@ -365,11 +372,14 @@ class Trainer:
     # --- entry points ---------------------------------------------------------
     def fit(
         self,
-        module: TrainingModule,
+        module: TrainingModule | None = None,
         train_dataloaders: Any = None,
         val_dataloaders: Any = None,
         datamodule: DataModule | None = None,
         ckpt_path: str | os.PathLike[str] | None = None,
+        weights_only: bool | None = None,
+        *,
+        model: TrainingModule | None = None,
     ) -> None:
         """Train `module` until a stop condition holds (see the class docstring).
 
@@ -382,7 +392,17 @@ class Trainer:
         (the newest complete checkpoint of the newest run with this run name;
         training starts fresh, with an info line, when there is none) or from
         ``"best"`` (the best checkpoint of `ModelCheckpoint`).
+
+        ``model=`` is Lightning's name for `module` (``trainer.fit(model=m)`` runs as written); pass one of
+        the two. ``weights_only`` is accepted as in Lightning 2, where it is ``torch.load``'s switch between
+        plain tensors and arbitrary pickled objects. An ember checkpoint is plain data, read without running
+        code from the file whatever the value (docs/checkpoints.md), so it changes nothing here; the same
+        holds for `validate`, `test` and `predict`.
         """
+        module = the_module("fit", module, model)
+        if module is None:
+            raise TypeError("fit: no module given; pass the module to train: trainer.fit(module, ...)")
+        check_weights_only("fit", weights_only)
         train_dataloaders, datamodule = split_datamodule("fit", train_dataloaders, datamodule)
         check_not_datamodule("fit", "val_dataloaders", val_dataloaders)
         if val_dataloaders is not None and datamodule is not None:
@@ -410,6 +430,8 @@ class Trainer:
         ckpt_path: str | os.PathLike[str] | None = None,
         *,
         datamodule: DataModule | None = None,
+        weights_only: bool | None = None,
+        model: TrainingModule | None = None,
     ) -> list[dict[str, float]]:
         """Run one validation epoch; returns one dict of epoch metrics per dataloader.
 
@@ -417,8 +439,12 @@ class Trainer:
         Lightning's order (``trainer.validate(module, loader, "best")``); a DataModule may be passed in place of
         the dataloaders. Without a module (after fit), the fitted module is used, with the best checkpoint of
         its `ModelCheckpoint` unless ``ckpt_path`` says otherwise, and its datamodule unless data is given.
+        ``model=`` (Lightning's name for `module`) and ``weights_only`` are taken as in `fit`.
         """
-        return evaluate(self, stages.VALIDATE, module, dataloaders, datamodule, ckpt_path)
+        check_weights_only("validate", weights_only)
+        return evaluate(
+            self, stages.VALIDATE, the_module("validate", module, model), dataloaders, datamodule, ckpt_path
+        )
 
     def test(
         self,
@@ -427,9 +453,12 @@ class Trainer:
         ckpt_path: str | os.PathLike[str] | None = None,
         *,
         datamodule: DataModule | None = None,
+        weights_only: bool | None = None,
+        model: TrainingModule | None = None,
     ) -> list[dict[str, float]]:
         """Run one test epoch; returns one dict of epoch metrics per dataloader (arguments as in `validate`)."""
-        return evaluate(self, stages.TEST, module, dataloaders, datamodule, ckpt_path)
+        check_weights_only("test", weights_only)
+        return evaluate(self, stages.TEST, the_module("test", module, model), dataloaders, datamodule, ckpt_path)
 
     def predict(
         self,
@@ -438,9 +467,14 @@ class Trainer:
         ckpt_path: str | os.PathLike[str] | None = None,
         *,
         datamodule: DataModule | None = None,
+        weights_only: bool | None = None,
+        model: TrainingModule | None = None,
     ) -> list[Any]:
         """Run `predict_step` on every batch; returns the outputs (a list per dataloader if several)."""
-        outputs = evaluate(self, stages.PREDICT, module, dataloaders, datamodule, ckpt_path)
+        check_weights_only("predict", weights_only)
+        outputs = evaluate(
+            self, stages.PREDICT, the_module("predict", module, model), dataloaders, datamodule, ckpt_path
+        )
         return outputs[0] if len(outputs) == 1 else outputs
 
     def save_checkpoint(

@@ -8,6 +8,7 @@ comparison is the point.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -420,3 +421,318 @@ def test_save_hyperparameters_logger_false_keeps_them_from_the_loggers(to_logger
     module = Module()
     trainer.fit(module, _data())
     assert logger.params == ([{"lr": 0.05}] if to_loggers else []) and module.hparams.lr == 0.05
+
+
+# --- the corpus's last gaps (tests/compat/real) ----------------------------------------------------------------
+def _val_logging(base: type, **methods: Any) -> Any:
+    def validation_step(self: Any, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", _loss(self, batch))
+
+    steps = {"training_step": lambda self, b, i: _loss(self, b), "validation_step": validation_step}
+    return _regressor(base, **steps, **methods)
+
+
+@pytest.mark.parametrize(
+    ("filename", "auto_insert"), [("{epoch}-{val_loss:.2f}", True), ("e{epoch:02d}_l{val_loss:.3f}", False)]
+)
+def test_checkpoint_names_are_lightnings(tmp_path: Any, filename: str, auto_insert: bool) -> None:
+    names = {}
+    for base, fw, options in ((pl.LightningModule, pl, QUIET_LIGHTNING), (ember.TrainingModule, ember, QUIET_EMBER)):
+        saver = (pl.pytorch if fw is pl else ember).callbacks.ModelCheckpoint(
+            dirpath=tmp_path / base.__name__, filename=filename, monitor="val_loss", save_top_k=-1,
+            auto_insert_metric_name=auto_insert,
+        )  # fmt: skip
+        options = {**options, "enable_checkpointing": True, "default_root_dir": tmp_path}
+        fw.Trainer(max_epochs=3, callbacks=[saver], **options).fit(_val_logging(base), _data(), _data(seed=1))
+        kept = saver.best_k_models if base is pl.LightningModule else saver.kept
+        names[base] = (sorted(Path(p).name.removesuffix(".ckpt") for p in kept), Path(saver.best_model_path).name)
+    lightning, ours = names[pl.LightningModule], names[ember.TrainingModule]
+    assert ours[0] == lightning[0] and len(ours[0]) == 3
+    assert ours[1] == lightning[1].removesuffix(".ckpt")
+    assert ours[0][0].startswith("epoch=0-val_loss=" if auto_insert else "e00_l")
+
+
+def test_a_checkpoint_name_is_one_directory() -> None:
+    with pytest.raises(ValueError, match="one directory"):
+        ember.callbacks.ModelCheckpoint(filename="sub/{epoch}", auto_insert_metric_name=False)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"name": "exp", "prefix": "p"}, {"name": "exp"}, {"name": None}, {"version": "run_a"}, {"name": "", "version": 3}],
+)
+def test_csv_logger_name_version_and_prefix_lay_out_files_as_lightnings(tmp_path: Any, options: dict[str, Any]) -> None:
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
+
+    found = {}
+    for base, fw, logger_cls in (
+        (pl.LightningModule, pl, LightningCSVLogger),
+        (ember.TrainingModule, ember, ember.loggers.CSVLogger),
+    ):
+        root = tmp_path / base.__name__
+        (root / (options.get("name", "lightning_logs") or "") / "version_0").mkdir(parents=True)  # an earlier run
+        quiet = {k: v for k, v in (QUIET_LIGHTNING if fw is pl else QUIET_EMBER).items() if k != "logger"}
+        # ember's default name is its own layout (save_dir itself); Lightning's is "lightning_logs"
+        given = options if fw is pl else {"name": "lightning_logs", **options}
+        trainer = fw.Trainer(
+            max_epochs=1, log_every_n_steps=1, logger=logger_cls(root, **given), default_root_dir=tmp_path, **quiet
+        )
+        trainer.fit(_forked_metrics(base), _data())
+        (path,) = root.rglob("metrics.csv")
+        with open(path, newline="") as f:
+            found[base] = (path.relative_to(root).as_posix(), set(next(csv.reader(f))))
+    assert found[ember.TrainingModule] == found[pl.LightningModule]
+    if options.get("prefix"):
+        assert "p-train_loss_step" in found[ember.TrainingModule][1]
+
+
+def test_csv_logger_without_name_or_version_writes_into_save_dir(tmp_path: Any) -> None:
+    logger = ember.loggers.CSVLogger(tmp_path)
+    assert logger.log_dir == tmp_path and logger.version is None and logger.name == ""
+    logger.log_metrics({"a": 1.0}, step=1)
+    logger.save()
+    assert (tmp_path / "metrics.csv").exists()
+    with pytest.raises(TypeError, match="version="):
+        ember.loggers.CSVLogger(tmp_path, version=1.5)  # type: ignore[arg-type]
+
+
+def test_entry_points_take_lightnings_model_keyword() -> None:
+    def test_step(self: Any, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", _loss(self, batch))
+
+    def predict_step(self: Any, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0])
+
+    results = {}
+    for base, trainer, quiet in (
+        (pl.LightningModule, pl.Trainer(max_epochs=1, **QUIET_LIGHTNING), {"verbose": False}),
+        (ember.TrainingModule, ember.Trainer(max_epochs=1, **QUIET_EMBER), {}),
+    ):
+        module = _val_logging(base, test_step=test_step, predict_step=predict_step)
+        trainer.fit(model=module, train_dataloaders=_data(), val_dataloaders=_data(seed=1))
+        validated = trainer.validate(model=module, dataloaders=_data(seed=1), **quiet)
+        tested = trainer.test(model=module, dataloaders=_data(seed=2), **quiet)
+        predicted = torch.cat(trainer.predict(model=module, dataloaders=_data(seed=3)))
+        results[base] = (validated[0]["val_loss"], tested[0]["test_loss"], predicted)
+    lightning, ours = results[pl.LightningModule], results[ember.TrainingModule]
+    assert math.isclose(ours[0], lightning[0], rel_tol=1e-6) and math.isclose(ours[1], lightning[1], rel_tol=1e-6)
+    assert torch.equal(ours[2], lightning[2])
+    module = _val_logging(ember.TrainingModule)
+    with pytest.raises(TypeError, match="both module and model="):
+        ember.Trainer(**QUIET_EMBER).fit(module, _data(), model=module)
+    with pytest.raises(TypeError, match="no module given"):
+        ember.Trainer(**QUIET_EMBER).fit(train_dataloaders=_data())
+
+
+def test_a_datamodule_knows_its_trainer_as_in_lightning() -> None:
+    seen = {}
+    for base, dm_base, trainer in (
+        (pl.LightningModule, pl.LightningDataModule, pl.Trainer(max_steps=2, **QUIET_LIGHTNING)),
+        (ember.TrainingModule, ember.DataModule, ember.Trainer(max_steps=2, **QUIET_EMBER)),
+    ):
+        record: list[Any] = []
+
+        def setup(self: Any, stage: str, record: list[Any] = record) -> None:
+            record.append(self.trainer)
+
+        data = type("Data", (dm_base,), {"setup": setup, "train_dataloader": lambda self: _data()})()
+        record.append(data.trainer)
+        trainer.fit(_regressor(base, training_step=lambda self, b, i: _loss(self, b)), datamodule=data)
+        record.append(data.trainer)
+        seen[base] = [None if t is None else t is trainer for t in record]
+    assert seen[ember.TrainingModule] == seen[pl.LightningModule] == [None, True, True]
+
+
+def test_weights_only_is_accepted_as_in_lightning(tmp_path: Any) -> None:
+    def test_step(self: Any, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", _loss(self, batch))
+
+    results = {}
+    for base, fw, options, quiet in (
+        (pl.LightningModule, pl, QUIET_LIGHTNING, {"verbose": False}),
+        (ember.TrainingModule, ember, QUIET_EMBER, {}),
+    ):
+        checkpoints = (pl.pytorch if fw is pl else ember).callbacks
+        saver = checkpoints.ModelCheckpoint(dirpath=tmp_path / base.__name__, monitor="val_loss")
+        options = {**options, "enable_checkpointing": True, "default_root_dir": tmp_path}
+        trainer = fw.Trainer(max_epochs=2, callbacks=[saver], **options)
+        module = _val_logging(base, test_step=test_step)
+        trainer.fit(module, _data(), _data(seed=1), weights_only=None)
+        best = saver.best_model_path
+        results[base] = [
+            trainer.test(module, _data(seed=2), ckpt_path=best, weights_only=w, **quiet)[0]["test_loss"]
+            for w in (None, True, False)
+        ]
+    lightning, ours = results[pl.LightningModule], results[ember.TrainingModule]
+    assert ours[0] == ours[1] == ours[2] and math.isclose(ours[0], lightning[0], rel_tol=1e-6)
+    assert lightning[0] == lightning[1] == lightning[2]
+    with pytest.raises(TypeError, match="weights_only='no'"):
+        ember.Trainer(**QUIET_EMBER).test(_val_logging(ember.TrainingModule), _data(), weights_only="no")
+
+
+def test_a_metric_logged_at_validation_epoch_end_keeps_its_plain_name_with_several_loaders() -> None:
+    def validation_step(self: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.log("val_loss", _loss(self, batch))
+
+    def on_validation_epoch_end(self: Any) -> None:
+        self.log("val_epoch_end", torch.tensor(2.0))
+
+    methods = {"validation_step": validation_step, "on_validation_epoch_end": on_validation_epoch_end}
+    seen = {}
+    for base, trainer, quiet in (
+        (pl.LightningModule, pl.Trainer(max_epochs=1, **QUIET_LIGHTNING), {"verbose": False}),
+        (ember.TrainingModule, ember.Trainer(max_epochs=1, **QUIET_EMBER), {}),
+    ):
+        module = _regressor(base, training_step=lambda self, b, i: _loss(self, b), **methods)
+        trainer.fit(module, _data(), [_data(seed=1), _data(seed=2)])
+        fitted = sorted(trainer.callback_metrics)
+        validated = trainer.validate(module, [_data(seed=1), _data(seed=2)], **quiet)
+        seen[base] = (fitted, [sorted(r) for r in validated], [r["val_epoch_end"] for r in validated])
+    assert seen[ember.TrainingModule] == seen[pl.LightningModule]
+    assert "val_epoch_end" in seen[ember.TrainingModule][0]
+
+
+def test_optimizer_step_under_manual_optimization_is_never_called_as_in_lightning() -> None:
+    def training_step(self: Any, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(_loss(self, batch))
+        opt.step()
+
+    def optimizer_step(self: Any, *args: Any, **kwargs: Any) -> None:
+        self.calls += 1
+
+    params, calls = {}, {}
+    for base, trainer in (
+        (pl.LightningModule, pl.Trainer(max_epochs=2, **QUIET_LIGHTNING)),
+        (ember.TrainingModule, ember.Trainer(max_epochs=2, **QUIET_EMBER)),
+    ):
+
+        def __init__(self: Any, base: type = base) -> None:
+            base.__init__(self)
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+            self.automatic_optimization = False  # in __init__, as modules set it
+            self.calls = 0
+
+        module = _regressor(base, __init__=__init__, training_step=training_step, optimizer_step=optimizer_step)
+        trainer.fit(module, _data())
+        params[base], calls[base] = dict(module.named_parameters()), module.calls
+    assert calls[ember.TrainingModule] == calls[pl.LightningModule] == 0
+    for name, value in params[pl.LightningModule].items():
+        assert torch.equal(params[ember.TrainingModule][name], value), name
+
+
+def _randomly_built(base: type, order: list[str]) -> Any:
+    """A module whose dataloaders build random datasets from the global generator (as Lightning's RandomDataset)."""
+
+    def loader(name: str) -> Any:
+        def make(self: Any) -> DataLoader[Any]:
+            order.append(name)
+            x = torch.randn(16, 4)
+            return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+        return make
+
+    def validation_step(self: Any, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", _loss(self, batch))
+
+    return _regressor(
+        base, training_step=lambda self, b, i: _loss(self, b), validation_step=validation_step,
+        train_dataloader=loader("train"), val_dataloader=loader("val"),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("lightning_rng", [True, False])
+def test_dataloaders_are_asked_in_lightnings_order_and_random_state(lightning_rng: bool) -> None:
+    params, orders = {}, {}
+    for base, make_trainer in (
+        (pl.LightningModule, lambda: pl.Trainer(max_epochs=2, **QUIET_LIGHTNING)),
+        (ember.TrainingModule, lambda: ember.Trainer(max_epochs=2, lightning_rng=lightning_rng, **QUIET_EMBER)),
+    ):
+        order: list[str] = []
+        module = _randomly_built(base, order)
+        torch.manual_seed(3)
+        make_trainer().fit(module)
+        params[base], orders[base] = dict(module.named_parameters()), order
+    assert orders[ember.TrainingModule] == orders[pl.LightningModule] == ["val", "train"]
+    for name, value in params[pl.LightningModule].items():  # the training data drawn where Lightning draws it
+        assert torch.equal(params[ember.TrainingModule][name], value), name
+
+
+def test_lightning_optimizer_is_what_optimizers_returns_and_port_maps_its_import() -> None:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    from ember.port import port_source
+
+    ported = port_source("from lightning.pytorch.core.optimizer import LightningOptimizer\n")
+    assert ported.source == "from ember.modules import LightningOptimizer\n" and not ported.notes
+    from ember.modules import LightningOptimizer as EmberLightningOptimizer
+
+    seen = {}
+    for base, trainer, wrapper in (
+        (pl.LightningModule, pl.Trainer(max_steps=1, **QUIET_LIGHTNING), LightningOptimizer),
+        (ember.TrainingModule, ember.Trainer(max_steps=1, **QUIET_EMBER), EmberLightningOptimizer),
+    ):
+        found: list[bool] = []
+
+        def training_step(self: Any, batch: Any, batch_idx: int, found: list[bool] = found, wrapper: Any = wrapper):
+            opt = self.optimizers()
+            found.append(isinstance(opt, wrapper) and isinstance(opt.optimizer, torch.optim.SGD))
+            self.manual_backward(_loss(self, batch))
+            opt.step()
+
+        module = _regressor(base, training_step=training_step)
+        module.automatic_optimization = False
+        trainer.fit(module, _data())
+        seen[base] = found
+    assert seen[ember.TrainingModule] == seen[pl.LightningModule] == [True]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "two differences, kept for now: loggers get step = optimizer steps taken (Lightning: the steps before the "
+        "batch, so its first row is step 0), and trainer.logged_metrics holds what was sent to the loggers "
+        "(Lightning's also holds the latest values not sent yet, with logger=False too)"
+    ),
+)
+@pytest.mark.parametrize(("every", "steps"), [(50, 20), (2, 5)])
+def test_logged_metrics_and_logger_steps_are_lightnings(every: int, steps: int) -> None:
+    from lightning.pytorch.loggers import Logger as LightningLogger
+
+    def training_step(self: Any, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = _loss(self, batch)
+        self.log("loss", loss)
+        return loss
+
+    class Recording(LightningLogger):
+        name, version = "r", 0
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.steps: list[int] = []
+
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            self.steps.append(int(step or 0))
+
+    class EmberRecording(ember.loggers.Logger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.steps: list[int] = []
+
+        def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+            self.steps.append(step)
+
+    seen = {}
+    quiet = {"enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False}
+    for base, fw, logger in ((pl.LightningModule, pl, Recording()), (ember.TrainingModule, ember, EmberRecording())):
+        options = {"accelerator": "cpu", "devices": 1} if fw is pl else {}
+        trainer = fw.Trainer(max_steps=steps, log_every_n_steps=every, logger=logger, **quiet, **options)
+        trainer.fit(_regressor(base, training_step=training_step), _data(n=80, batch_size=4))
+        seen[base] = (logger.steps, {k: float(v) for k, v in trainer.logged_metrics.items()})
+    assert seen[ember.TrainingModule] == seen[pl.LightningModule]

@@ -411,12 +411,11 @@ def test_trainer_keywords_and_hooks_ember_does_not_take_are_listed() -> None:
         (5, "Net.training_epoch_end"),
         (8, "Net.optimizer_step"),
         (11, "Net.on_epoch_end"),
-        (20, "Manual.optimizer_step"),
         (24, "Trainer(...)"),
         (24, "Trainer(gpus=...)"),
         (24, "Trainer(accelerator='gpu')"),
-    ]
-    assert "delete it" in found[3].advice and "accelerator='cuda'" in found[6].advice
+    ]  # Manual.optimizer_step is not listed: under manual optimization neither framework calls it, ember accepts it
+    assert "accelerator='cuda'" in found[5].advice
 
 
 def test_split_lightning_knows_the_import_roots() -> None:
