@@ -279,11 +279,8 @@ def describe_stop(trainer: Trainer) -> str:
     0.1234)``."""
     reason = trainer.stop_reason
     if reason == "should_stop":
-        asked = [
-            f"{type(cb).__name__}: {cb.stopping_reason}"
-            for cb in trainer.callbacks
-            if isinstance(getattr(cb, "stopping_reason", None), str)
-        ]
+        reasons = ((type(cb).__name__, getattr(cb, "stopping_reason", None)) for cb in trainer.callbacks)
+        asked = [f"{name}: {reason}" for name, reason in reasons if isinstance(reason, str)]
         why = "; ".join(asked) or "a hook set trainer.should_stop"
     elif reason == "max_epochs":
         why = f"max_epochs={trainer.max_epochs} reached"
