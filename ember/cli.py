@@ -104,6 +104,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"ember: error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, CheckpointWriteError) else 2
+    except FileNotFoundError as exc:  # a data file the config names (relative paths: docs/cli.md)
+        if args.debug:
+            traceback.print_exc()
+        where = f" (from {Path.cwd()}, and beside the config file)" if args.config else ""
+        print(f"ember: error: no such file: {exc.filename or exc}{where}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("ember: interrupted; `--resume last` continues from the last checkpoint", file=sys.stderr)
         return 130
@@ -134,7 +140,7 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.seed is not None:
         overrides = [*overrides, f"seed={args.seed}"]
     loaded = config.load(args.config, overrides)
-    resolved = config.resolve(loaded)
+    resolved = config.resolve_paths(config.resolve(loaded), args.config)
     config.check(loaded, resolved, args.command)
     ckpt_path = _checkpoint_option(args)
     if args.print_config:
