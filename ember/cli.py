@@ -104,6 +104,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"ember: error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, CheckpointWriteError) else 2
+    except FileNotFoundError as exc:  # a data file the config names (relative paths: docs/cli.md)
+        if args.debug:
+            traceback.print_exc()
+        where = f" (from {Path.cwd()}, and beside the config file)" if args.config else ""
+        print(f"ember: error: no such file: {exc.filename or exc}{where}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("ember: interrupted; `--resume last` continues from the last checkpoint", file=sys.stderr)
         return 130
@@ -125,11 +131,16 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
 
         return run_tuning(args, overrides)
     check_options(args.command, overrides)
+    if not args.config and not any(o.lstrip("-").startswith("module") for o in overrides):
+        raise config.ConfigError(
+            f"no config given; name one with -c, e.g. `ember {args.command} -c configs/digits.yaml` "
+            "(docs/your-data.md writes one for your data)"
+        )
     config.add_import_roots(args.config)
     if args.seed is not None:
         overrides = [*overrides, f"seed={args.seed}"]
     loaded = config.load(args.config, overrides)
-    resolved = config.resolve(loaded)
+    resolved = config.resolve_paths(config.resolve(loaded), args.config)
     config.check(loaded, resolved, args.command)
     ckpt_path = _checkpoint_option(args)
     if args.print_config:
@@ -264,6 +275,32 @@ def run(command: str, trainer: Trainer, module: TrainingModule, data: DataModule
     elapsed = time.perf_counter() - start
     if trainer.is_global_zero:
         print(f"{command} done in {elapsed:.1f} s ({where}): {shown}; run dir {trainer.run_dir}")
+        if command == "fit":
+            print(describe_stop(trainer))
+
+
+def describe_stop(trainer: Trainer) -> str:
+    """Why the fit ended and which checkpoint is best, in one line: ``stopped: EarlyStopping: val/loss did not
+    improve in 3 checks (best 0.1234); best checkpoint runs/x/version_0/checkpoints/epoch=4-step=95 (val/loss
+    0.1234)``."""
+    reason = trainer.stop_reason
+    if reason == "should_stop":
+        reasons = ((type(cb).__name__, getattr(cb, "stopping_reason", None)) for cb in trainer.callbacks)
+        asked = [f"{name}: {reason}" for name, reason in reasons if isinstance(reason, str)]
+        why = "; ".join(asked) or "a hook set trainer.should_stop"
+    elif reason == "max_epochs":
+        why = f"max_epochs={trainer.max_epochs} reached"
+    elif reason == "max_steps":
+        why = f"max_steps={trainer.max_steps} reached"
+    elif reason == "max_time":
+        why = f"max_time ({trainer.options.max_time_s:g} s) reached"
+    else:  # a resume of a finished run: nothing ran
+        why = "nothing ran"
+    best = next((cb for cb in trainer.checkpoint_callbacks if cb.monitor and cb.best_model_path), None)
+    if best is None:
+        return f"stopped: {why}"
+    score = f" ({best.monitor} {best.best_model_score:.4f})" if best.best_model_score is not None else ""
+    return f"stopped: {why}; best checkpoint {best.best_model_path}{score}"
 
 
 def _count(n: int, noun: str) -> str:

@@ -164,7 +164,6 @@ TRAINER_KEYWORDS = {
 
 #: Trainer accelerators of Lightning that ember names otherwise or lacks.
 ACCELERATORS = {
-    "gpu": "ember calls it accelerator='cuda'",
     "mps": "not supported: use 'cpu'",
     "tpu": "not supported",
     "hpu": "not supported",

@@ -157,6 +157,10 @@ class FilesData(ember.DataModule):
     def test_dataloader(self) -> DataLoader:
         return DataLoader(self.test_set, batch_size=256)
 
+    def predict_dataloader(self) -> DataLoader:
+        """The held-out test split again: ``ember predict`` writes the model's outputs for it."""
+        return DataLoader(self.test_set, batch_size=256)
+
 
 # --- a model for each input kind ----------------------------------------------------------------------
 

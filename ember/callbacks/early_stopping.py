@@ -116,7 +116,8 @@ class EarlyStopping(Callback):
         self.wait_count += 1
         if self.wait_count >= self.patience:
             return True, (
-                f"{name} did not improve by more than {self.min_delta:g} for {self.wait_count} checks; "
+                f"{name} did not improve by more than {self.min_delta:g} for {self.wait_count} "
+                f"check{'s' * (self.wait_count != 1)}; "
                 f"best {self.best_score:.6g}"
             )
         return False, None

@@ -21,6 +21,7 @@ from ember.config.errors import ConfigError
 if TYPE_CHECKING:
     from ember.config.checking import check
     from ember.config.loading import LoadedConfig, add_import_roots, load, resolve, to_yaml
+    from ember.config.paths import resolve_paths
     from ember.config.schema import RunConfig, TrainerConfig, schema_type
     from ember.config.targets import SCHEDULER_OPTIONS, build_optimizers, import_target, instantiate
 
@@ -36,6 +37,7 @@ _WHERE = {
     "instantiate": "targets",
     "load": "loading",
     "resolve": "loading",
+    "resolve_paths": "paths",
     "schema_type": "schema",
     "to_yaml": "loading",
 }
@@ -53,6 +55,7 @@ __all__ = [
     "instantiate",
     "load",
     "resolve",
+    "resolve_paths",
     "schema_type",
     "to_yaml",
 ]

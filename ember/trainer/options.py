@@ -25,6 +25,8 @@ from ember.trainer.data import check_limit
 from ember.trainer.signals import resolve_signal
 
 _ACCELERATORS = ("auto", "cpu", "cuda")
+#: Other names of an accelerator: Lightning's ``"gpu"`` is ember's ``"cuda"``.
+_ACCELERATOR_ALIASES = {"gpu": "cuda"}
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ def build(given: dict[str, Any]) -> TrainerOptions:
         "gradient_clip_val": options.gradient_clip_val or None,  # 0: no clipping, as in Lightning
         "requeue_signal": resolve_signal(options.requeue_signal),
         "callbacks": _as_list(options.callbacks),
+        "accelerator": _ACCELERATOR_ALIASES.get(options.accelerator, options.accelerator),
     }
     if options.overfit_batches:  # the same few training batches, unshuffled, for training and validation
         changes.update(limit_train_batches=options.overfit_batches, limit_val_batches=options.overfit_batches)
@@ -227,7 +230,9 @@ def _strategy(
     from ember.strategies.parallel import ParallelStrategy
 
     if accelerator not in _ACCELERATORS:
-        raise ValueError(f"accelerator={accelerator!r} is not valid; choose one of: {', '.join(_ACCELERATORS)}")
+        raise ValueError(
+            f"accelerator={accelerator!r} is not valid; choose one of: {', '.join(_ACCELERATORS)} ('gpu' is 'cuda')"
+        )
     if accelerator == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("accelerator='cuda' but CUDA is not available here; use accelerator='cpu' or 'auto'")
     check_positive_int("num_nodes", num_nodes)

@@ -404,7 +404,7 @@ def test_trainer_keywords_and_hooks_ember_does_not_take_are_listed() -> None:
                 pass
 
 
-        trainer = pl.Trainer(10, gpus=1, accelerator="gpu", max_epochs=2)
+        trainer = pl.Trainer(10, gpus=1, accelerator="mps", max_epochs=2)
         """
     found = port_source(textwrap.dedent(source)).notes
     assert [(n.line, n.name) for n in found] == [
@@ -413,9 +413,9 @@ def test_trainer_keywords_and_hooks_ember_does_not_take_are_listed() -> None:
         (11, "Net.on_epoch_end"),
         (24, "Trainer(...)"),
         (24, "Trainer(gpus=...)"),
-        (24, "Trainer(accelerator='gpu')"),
+        (24, "Trainer(accelerator='mps')"),
     ]  # Manual.optimizer_step is not listed: under manual optimization neither framework calls it, ember accepts it
-    assert "accelerator='cuda'" in found[5].advice
+    assert "accelerator='cuda'" in found[4].advice and "'cpu'" in found[5].advice
 
 
 def test_split_lightning_knows_the_import_roots() -> None:
