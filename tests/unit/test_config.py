@@ -233,3 +233,25 @@ def test_print_config_in_process_prints_the_resolved_yaml(tmp_path: Path, capsys
     # torch.nn.Linear is not a TrainingModule: --print-config checks before printing
     assert main(["fit", "-c", str(path), "--print-config"]) == 2
     assert "module._target_: torch.nn.Linear is not a subclass of ember.TrainingModule" in capsys.readouterr().err
+
+
+def test_every_shipped_config_writes_its_own_runs() -> None:
+    """Two shipped configs sharing a run directory let `--ckpt-path best` of one load the other's checkpoint
+    (digits.yaml and your_data.yaml both wrote runs/classifier). Overlays (configs used only with another,
+    without a module section of their own) name their own run too."""
+    import yaml
+
+    from ember.trainer.setup import run_name
+
+    configs = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+    assert len(configs) >= 10
+    names: dict[str, str] = {}
+    for path in configs:
+        data = yaml.safe_load(path.read_text())
+        named = (data.get("trainer") or {}).get("run_name")
+        target = (data.get("module") or {}).get("_target_")
+        assert named or target, f"{path.name} names neither a run nor a module"
+        name = named or run_name(type(target.rsplit(".", 1)[1], (), {}))
+        assert name not in names, f"{path.name} and {names[name]} both write runs/{name}"
+        names[name] = path.name
+    assert names["classifier"] == "digits.yaml" and names["your_data"] == "your_data.yaml"
