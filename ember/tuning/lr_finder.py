@@ -250,8 +250,9 @@ def check_options(min_lr: float, max_lr: float, num_steps: int, mode: str, beta:
     """Raise `ValueError` for options `lr_find` cannot run with (before anything is built)."""
     if mode not in _MODES:
         raise ValueError(f"lr_find: mode={mode!r}; choose 'exponential' or 'linear'")
-    if not (isinstance(min_lr, (int, float)) and isinstance(max_lr, (int, float)) and 0 < min_lr < max_lr):
-        raise ValueError(f"lr_find: need 0 < min_lr < max_lr; got min_lr={min_lr!r}, max_lr={max_lr!r}")
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (min_lr, max_lr))
+    if not (numbers and math.isfinite(max_lr) and 0 < min_lr < max_lr):
+        raise ValueError(f"lr_find: need finite 0 < min_lr < max_lr; got min_lr={min_lr!r}, max_lr={max_lr!r}")
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 2:
         raise ValueError(f"lr_find: num_steps must be an int >= 2; got {num_steps!r}")
     if not 0 <= beta < 1:
