@@ -208,7 +208,14 @@ def lr_find(
     docstring. Use the result with ``module.hparams.lr = result.suggestion`` (or
     however the module reads its learning rate) before `trainer.fit`.
     """
-    from ember.tuning.scratch import KeepLoaderGenerators, Snapshot, check_supported, release, scratch_trainer
+    from ember.tuning.scratch import (
+        CaptureInitialised,
+        KeepLoaderGenerators,
+        Snapshot,
+        check_supported,
+        release,
+        scratch_trainer,
+    )
 
     check_options(min_lr, max_lr, num_steps, mode, beta, divergence_factor)
     check_supported(trainer, "lr_find")
@@ -218,7 +225,7 @@ def lr_find(
         option = trainer.options.logger
         logger = option if isinstance(option, bool) or option is None else True
     snapshot = Snapshot.take(module, datamodule, train_dataloaders)
-    callbacks: list[Callback] = [test, KeepLoaderGenerators(snapshot)]
+    callbacks: list[Callback] = [CaptureInitialised(snapshot), test, KeepLoaderGenerators(snapshot)]
     scratch = scratch_trainer(trainer, max_steps=num_steps, callbacks=callbacks, logger=logger)
     scratch.run_config = trainer.run_config
     try:
