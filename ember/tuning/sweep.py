@@ -24,7 +24,11 @@ alive (each worker holds a shared lock on ``workers.lock`` while it lives, and
 dies with the process that started it), every trial still marked running was cut
 off by a kill: it is marked failed and its values are queued again, so it is
 retried once under a new trial number and never counted twice. Finished trials
-are never run again.
+are never run again. **Grid.** The workers share the grid's points and queue,
+under the same lock, the first point no trial has finished, runs or waits for,
+so every point runs once (see `ember.tuning.space`). **Damaged files.** A
+``study.db`` that is not an intact Optuna study, or a ``sweep.json`` that is not
+a sweep's record, is refused before anything runs, naming the file.
 """
 
 from __future__ import annotations
