@@ -122,7 +122,7 @@ def finished_points(trials: list[optuna.trial.FrozenTrial]) -> list[int]:
     return sorted(t.params["module.hidden"] for t in trials if t.state.name in ("COMPLETE", "PRUNED"))
 
 
-@pytest.mark.slow  # one sweep process and its worker (about 10 s)
+@pytest.mark.slow  # a sweep process and its worker: 15-20 s on 2 busy cores
 def test_a_grid_sweep_ends_cleanly_after_its_last_point(sweep_project: Path) -> None:
     done = subprocess.run(sweep_command(sweep_project), cwd=sweep_project, capture_output=True, text=True, timeout=240)
     log = (sweep_project / "sweep" / "logs" / "worker-0.log").read_text()
@@ -134,7 +134,7 @@ def test_a_grid_sweep_ends_cleanly_after_its_last_point(sweep_project: Path) -> 
     assert f"sweep: {len(POINTS)} of {len(POINTS)} trials finished" in done.stdout
 
 
-@pytest.mark.slow  # a sweep whose worker is killed and started again (about 20 s)
+@pytest.mark.slow  # a sweep whose worker is killed and started again: 25-40 s on 2 busy cores
 def test_every_grid_point_runs_once_across_a_worker_killed_mid_trial(sweep_project: Path) -> None:
     """SIGKILL the worker while the second trial, at a generated grid point, runs; the sweep replaces the worker,
     and the finished trials cover the grid exactly once each, the killed point among them."""
