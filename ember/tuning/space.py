@@ -299,7 +299,8 @@ def _check_values(values: list[Any], where: str, error: Any) -> None:
         if isinstance(value, float) and not math.isfinite(value):
             raise error(where, f"{_yaml(value)} is not a finite number")
         if value is not None and first is not None and type(value) is not type(first):
-            hint = f" (write {float(first)!r} for a float)" if {type(first), type(value)} == {int, float} else ""
+            whole = first if type(first) is int else value
+            hint = f" (write {float(whole)!r} for a float)" if {type(first), type(value)} == {int, float} else ""
             raise error(
                 where,
                 f"values of one type expected (null aside); got {type(first).__name__} {first!r} and "

@@ -122,6 +122,7 @@ def test_the_grid_lists_every_point_once_in_a_seeded_order() -> None:
             "m.n.max: expected a fin",
         ),
         ({"parameters": {"m.n": {"values": [1, None, 2.0]}}}, "got int 1 and float 2.0 (write 1.0 for a float)"),
+        ({"parameters": {"m.n": {"values": [0.5, 1]}}}, "got float 0.5 and int 1 (write 1.0 for a float)"),
         ({"parameters": {"m.n": {"values": ["a", "b", "a"]}}}, "m.n.values: 'a' is listed twice"),
         ({"parameters": {"m.n": {"values": [0.5, float("nan")]}}}, "m.n.values: .nan is not a finite number"),
         ({"seed": "zero"}, "seed: expected an int"),
