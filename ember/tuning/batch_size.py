@@ -222,7 +222,8 @@ def scale_batch_size(
     batches = _BatchSetter(datamodule, train_dataloaders, batch_arg_name)
     limit = min(max_size or 2**20, batches.data_limit(trainer.world_size))
     if init_size > limit:
-        raise ValueError(f"scale_batch_size: init_size={init_size} is above the limit {limit}")
+        cap = "max_size" if max_size is not None and limit == max_size else "the training samples per process"
+        raise ValueError(f"scale_batch_size: init_size={init_size} is above {limit} ({cap}); lower init_size")
     snapshot = Snapshot.take(module, datamodule, train_dataloaders)
     trials: list[Trial] = []
 
@@ -261,11 +262,14 @@ def _run_trial(
     budget: int | None,
     snapshot: Any,
 ) -> Trial:
-    from ember.tuning.scratch import release, scratch_trainer
+    from ember.tuning.scratch import CaptureInitialised, release, scratch_trainer
 
     batches.set(size)
     meter = _PeakMemory()
-    scratch = scratch_trainer(trainer, max_steps=steps, callbacks=[meter], logger=False, enable_progress_bar=False)
+    callbacks: list[Any] = [meter]
+    if snapshot.lazy:  # only then: the hook sends steps down the general path
+        callbacks.insert(0, CaptureInitialised(snapshot))
+    scratch = scratch_trainer(trainer, max_steps=steps, callbacks=callbacks, logger=False, enable_progress_bar=False)
     out_of_memory = False
     try:
         scratch.fit(module, batches.loaders(), datamodule=batches.datamodule)
@@ -316,18 +320,33 @@ class _BatchSetter:
         self._loader, self._original = loader, loader.batch_size
 
     def data_limit(self, world_size: int) -> int:
-        """The most samples one process sees in an epoch (a batch cannot hold more); 2**20 when unknown."""
+        """The most samples one process sees in an epoch (a batch cannot hold more); 2**20 when unknown.
+        `EmptyDataError` when the training data set has no samples."""
+        from ember.tuning.scratch import EmptyDataError
+
+        empty = EmptyDataError(
+            "scale_batch_size: the training data set is empty (0 samples), so no batch size can be tried; check the "
+            "data's path, split and filters, then run the finder again"
+        )
         dataset = None
         if self._loader is not None:
             dataset = self._loader.dataset
         else:
             assert self.datamodule is not None
             self.datamodule.setup("fit")
-            dataset = getattr(self.datamodule.train_dataloader(), "dataset", None)
+            try:
+                dataset = getattr(self.datamodule.train_dataloader(), "dataset", None)
+            except ValueError as exc:
+                if "num_samples=0" in str(exc):  # torch's RandomSampler refuses to shuffle no samples
+                    raise empty from exc
+                raise
         try:
-            return max(1, math.ceil(len(dataset) / world_size))  # type: ignore[arg-type]
+            samples = len(dataset)  # type: ignore[arg-type]
         except TypeError:
             return 2**20
+        if samples == 0:
+            raise empty
+        return max(1, math.ceil(samples / world_size))
 
     def set(self, size: int) -> None:
         if self.datamodule is not None:

@@ -208,7 +208,14 @@ def lr_find(
     docstring. Use the result with ``module.hparams.lr = result.suggestion`` (or
     however the module reads its learning rate) before `trainer.fit`.
     """
-    from ember.tuning.scratch import KeepLoaderGenerators, Snapshot, check_supported, release, scratch_trainer
+    from ember.tuning.scratch import (
+        CaptureInitialised,
+        KeepLoaderGenerators,
+        Snapshot,
+        check_supported,
+        release,
+        scratch_trainer,
+    )
 
     check_options(min_lr, max_lr, num_steps, mode, beta, divergence_factor)
     check_supported(trainer, "lr_find")
@@ -218,7 +225,7 @@ def lr_find(
         option = trainer.options.logger
         logger = option if isinstance(option, bool) or option is None else True
     snapshot = Snapshot.take(module, datamodule, train_dataloaders)
-    callbacks: list[Callback] = [test, KeepLoaderGenerators(snapshot)]
+    callbacks: list[Callback] = [CaptureInitialised(snapshot), test, KeepLoaderGenerators(snapshot)]
     scratch = scratch_trainer(trainer, max_steps=num_steps, callbacks=callbacks, logger=logger)
     scratch.run_config = trainer.run_config
     try:
@@ -250,8 +257,9 @@ def check_options(min_lr: float, max_lr: float, num_steps: int, mode: str, beta:
     """Raise `ValueError` for options `lr_find` cannot run with (before anything is built)."""
     if mode not in _MODES:
         raise ValueError(f"lr_find: mode={mode!r}; choose 'exponential' or 'linear'")
-    if not (isinstance(min_lr, (int, float)) and isinstance(max_lr, (int, float)) and 0 < min_lr < max_lr):
-        raise ValueError(f"lr_find: need 0 < min_lr < max_lr; got min_lr={min_lr!r}, max_lr={max_lr!r}")
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (min_lr, max_lr))
+    if not (numbers and math.isfinite(max_lr) and 0 < min_lr < max_lr):
+        raise ValueError(f"lr_find: need finite 0 < min_lr < max_lr; got min_lr={min_lr!r}, max_lr={max_lr!r}")
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 2:
         raise ValueError(f"lr_find: num_steps must be an int >= 2; got {num_steps!r}")
     if not 0 <= beta < 1:

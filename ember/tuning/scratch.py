@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
 
+class EmptyDataError(ValueError):
+    """The training data a finder was given has no samples: nothing can be measured."""
+
+
 def check_supported(trainer: Trainer, what: str) -> None:
     """Raise for strategies a scratch run cannot undo (FSDP shards the module in place)."""
     from ember.strategies.fsdp import FSDPStrategy
@@ -131,7 +135,11 @@ class Snapshot:
 
     `take` clones every parameter and buffer; restoring copies them into the
     same tensors (``copy_``), so optimizers and references held elsewhere keep
-    pointing at the module's own parameters.
+    pointing at the module's own parameters. Lazy ones (``nn.LazyLinear`` before
+    its first forward) have no values yet: the run initialises them in its first
+    forward, as a fit's first step would, and `capture_initialised` records them
+    before the first optimizer step changes them (`CaptureInitialised` calls it),
+    so the module comes back initialised, with those initial values.
     """
 
     module: TrainingModule
@@ -147,10 +155,13 @@ class Snapshot:
     generators: list[tuple[torch.Generator, Tensor]] = field(default_factory=list)
     datamodule: DataModule | None = None
     datamodule_state: Any = None
+    #: Names of the parameters and buffers that were lazy (uninitialised) and whose initial values are not recorded yet.
+    lazy: set[str] = field(default_factory=set)
 
     @classmethod
     def take(cls, module: TrainingModule, datamodule: DataModule | None = None, loaders: Any = None) -> Snapshot:
-        tensors = {name: t.detach().clone() for name, t in _named_tensors(module)}
+        named = _named_tensors(module)
+        tensors = {name: t.detach().clone() for name, t in named if not is_lazy(t)}
         np = sys.modules.get("numpy")
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         return cls(
@@ -166,7 +177,15 @@ class Snapshot:
             generators=[(g, g.get_state()) for g in _loader_generators(_as_list(loaders))],
             datamodule=datamodule,
             datamodule_state=copy.deepcopy(datamodule.state_dict()) if datamodule is not None else None,
+            lazy={name for name, t in named if is_lazy(t)},
         )
+
+    def capture_initialised(self) -> None:
+        """Record the values of the lazy tensors the run has initialised since (call it before an optimizer step)."""
+        for name, tensor in _named_tensors(self.module):
+            if name in self.lazy and not is_lazy(tensor):
+                self.tensors[name] = tensor.detach().clone()
+                self.lazy.discard(name)
 
     def add_loader_generators(self, loaders: Any) -> None:
         """Also restore the generators of `loaders` (a loader built by a datamodule during the run)."""
@@ -176,11 +195,12 @@ class Snapshot:
                 self.generators.append((gen, gen.get_state()))
 
     def restore(self) -> None:
+        self.capture_initialised()  # initialised after the last optimizer step: still its initial values
         current = dict(_named_tensors(self.module))
-        if current.keys() != self.tensors.keys():
+        if current.keys() != self.tensors.keys() | self.lazy:
             raise RuntimeError(
                 "the module's parameters and buffers changed names during the run "
-                f"({sorted(set(current) ^ set(self.tensors))[:5]}); cannot put them back"
+                f"({sorted(set(current) ^ (set(self.tensors) | self.lazy))[:5]}); cannot put them back"
             )
         with torch.no_grad():
             for name, saved in self.tensors.items():
@@ -207,6 +227,22 @@ class Snapshot:
 
 def _clone(tensor: Tensor | None) -> Tensor | None:
     return None if tensor is None else tensor.detach().clone()
+
+
+def is_lazy(tensor: Tensor) -> bool:
+    """Whether `tensor` is an uninitialised parameter or buffer of a lazy module."""
+    return bool(torch.nn.parameter.is_lazy(tensor))
+
+
+class CaptureInitialised(Callback):
+    """Before each optimizer step, has `snapshot` record the lazy tensors the run initialised (see `Snapshot`)."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+
+    def on_before_optimizer_step(self, trainer: Trainer, module: TrainingModule, optimizer: Any) -> None:
+        if self.snapshot.lazy:
+            self.snapshot.capture_initialised()
 
 
 class KeepLoaderGenerators(Callback):

@@ -17,18 +17,25 @@ The format follows W&B sweeps where it can: ``metric`` may also be ``{name:
 val/acc, goal: maximize}``, a parameter with only ``values`` is categorical,
 ``log_uniform_values`` is accepted for ``log_uniform``, and ``int_log_uniform``
 samples integers on a log scale. Unlike W&B's ``log_uniform``, whose bounds are
-exponents, ember's ``min``/``max`` are always the values themselves. Samplers
-and pruners are Optuna's (``TPESampler``, ``RandomSampler``, ``GridSampler``;
-``MedianPruner``, ``HyperbandPruner``, ``NopPruner``); their options are passed
-through. A trial reports the metric after every validation; the pruner's step is
-the validation's index (0, 1, ...), so trials with different batch sizes compare
-at the same point.
+exponents, ember's ``min``/``max`` are always the values themselves. The tpe
+and random samplers and the pruners are Optuna's (``TPESampler``,
+``RandomSampler``; ``MedianPruner``, ``HyperbandPruner``, ``NopPruner``); their
+options are passed through. The grid is ember's own: the workers share one list
+of its points (`SweepSpace.grid_points`) and queue each point not yet finished or
+running, so every point runs once. Everything that could only fail mid-run is
+refused here: bounds must be finite, ``min < max`` (``min > 0`` on a log scale),
+a categorical's values of one type (``null`` aside) and distinct. A trial
+reports the metric after every validation; the pruner's step is the validation's
+index (0, 1, ...), so trials with different batch sizes compare at the same point.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
+import math
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,6 +143,7 @@ class SweepSpace:
         parameters = {str(key): _parameter(str(key), spec, error) for key, spec in raw.items()}
         space = cls(parameters, metric, direction, sampler, sampler_options, pruner, pruner_options, seed, source)
         if sampler == "grid":
+            _check_grid_options(sampler_options, error)
             for parameter in parameters.values():
                 parameter.grid()
         space.make_sampler(0, 0)  # unknown sampler/pruner options fail now, not in the workers
@@ -165,6 +173,16 @@ class SweepSpace:
             size *= len(parameter.grid())
         return size
 
+    def grid_points(self) -> list[dict[str, Any]]:
+        """Every point of the grid once, in the order a sweep visits them: shuffled by the sampler's ``seed`` (else
+        the space's, else 0), so a sweep of fewer trials than points spreads over the grid."""
+        keys = list(self.parameters)
+        values = [parameter.grid() for parameter in self.parameters.values()]
+        points = [dict(zip(keys, combination, strict=True)) for combination in itertools.product(*values)]
+        seed = self.sampler_options.get("seed", self.seed)
+        random.Random(0 if seed is None else seed).shuffle(points)
+        return points
+
     def make_sampler(self, worker: int, offset: int) -> Any:
         """The Optuna sampler of worker `worker`; its seed also depends on `offset` (trials already in the study),
         so workers, and the workers of a resumed sweep, do not draw the same points."""
@@ -172,9 +190,8 @@ class SweepSpace:
 
         seed = None if self.seed is None else self.seed + 1_000_003 * worker + offset
         options = {"seed": seed, **self.sampler_options}
-        if self.sampler == "grid":
-            grid = {key: parameter.grid() for key, parameter in self.parameters.items()}
-            return _build(optuna.samplers.GridSampler, "sampler", self.source, grid, **options)
+        if self.sampler == "grid":  # the worker queues each point as fixed values (`grid_points`): never asked
+            return optuna.samplers.RandomSampler(seed=seed)
         kind = optuna.samplers.TPESampler if self.sampler == "tpe" else optuna.samplers.RandomSampler
         return _build(kind, "sampler", self.source, **options)
 
@@ -247,14 +264,12 @@ def _parameter(key: str, spec: Any, error: Any) -> Parameter:
         values = spec.get("values")
         if not isinstance(values, list) or not values:
             raise error(f"{where}.values", "a categorical parameter needs a non-empty list of values")
-        for value in values:
-            if value is not None and not isinstance(value, (bool, int, float, str)):
-                raise error(f"{where}.values", f"values must be numbers, strings, booleans or null; got {value!r}")
+        _check_values(values, f"{where}.values", error)
         return Parameter(key, distribution, values=values)
     low, high = spec.get("min"), spec.get("max")
     for name, bound in (("min", low), ("max", high)):
-        if isinstance(bound, bool) or not isinstance(bound, (int, float)):
-            raise error(f"{where}.{name}", f"expected a number, got {bound!r}")
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not math.isfinite(bound):
+            raise error(f"{where}.{name}", f"expected a finite number, got {_yaml(bound)}")
     assert low is not None and high is not None
     if not low < high:
         raise error(where, f"min ({low}) must be below max ({high})")
@@ -263,6 +278,56 @@ def _parameter(key: str, spec: Any, error: Any) -> Parameter:
     if distribution.startswith("int") and (low != int(low) or high != int(high)):
         raise error(where, f"an int distribution needs whole-number bounds, got {low} and {high}")
     return Parameter(key, distribution, low, high)
+
+
+def _check_grid_options(options: dict[str, Any], error: Any) -> None:
+    for name, value in options.items():
+        if name != "seed":
+            raise error(f"sampler.{name}", "the grid sampler takes only seed (it orders the points)")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise error("sampler.seed", f"expected an int, got {value!r}")
+
+
+def _check_values(values: list[Any], where: str, error: Any) -> None:
+    """A categorical's values: plain, finite, all of one type (null aside: it may stand beside any type), and
+    each listed once, so every value a trial may draw is as valid as the first one the config check tried."""
+    first: Any = None
+    seen: list[Any] = []
+    for value in values:
+        if value is not None and not isinstance(value, (bool, int, float, str)):
+            raise error(where, f"values must be numbers, strings, booleans or null; got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise error(where, f"{_yaml(value)} is not a finite number")
+        if value is not None and first is not None and type(value) is not type(first):
+            whole = first if type(first) is int else value
+            hint = f" (write {float(whole)!r} for a float)" if {type(first), type(value)} == {int, float} else ""
+            raise error(
+                where,
+                f"values of one type expected (null aside); got {type(first).__name__} {first!r} and "
+                f"{type(value).__name__} {value!r}{hint}",
+            )
+        if any(type(value) is type(other) and value == other for other in seen):
+            raise error(where, f"{_yaml(value)} is listed twice")
+        first = value if first is None else first
+        seen.append(value)
+
+
+def _yaml(value: Any) -> str:
+    """`value` as the space file spells it (``.inf``, ``.nan``, ``null``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return ".nan" if value != value else (".inf" if value > 0 else "-.inf")
+    return "null" if value is None else repr(value)
+
+
+def trial_values(trial: Any) -> dict[str, Any]:
+    """The values a trial runs with: those it was queued with (a grid point, a retry), else those it drew."""
+    fixed = trial.system_attrs.get("fixed_params")
+    return dict(fixed) if fixed else dict(trial.params)
+
+
+def point_key(values: dict[str, Any]) -> str:
+    """One text per set of values (a grid point), the same whether the values came from the space or the study."""
+    return json.dumps(values, sort_keys=True)
 
 
 def override(key: str, value: Any) -> str:

@@ -24,7 +24,11 @@ alive (each worker holds a shared lock on ``workers.lock`` while it lives, and
 dies with the process that started it), every trial still marked running was cut
 off by a kill: it is marked failed and its values are queued again, so it is
 retried once under a new trial number and never counted twice. Finished trials
-are never run again.
+are never run again. **Grid.** The workers share the grid's points and queue,
+under the same lock, the first point no trial has finished, runs or waits for,
+so every point runs once (see `ember.tuning.space`). **Damaged files.** A
+``study.db`` that is not an intact Optuna study, or a ``sweep.json`` that is not
+a sweep's record, is refused before anything runs, naming the file.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ember.config.errors import ConfigError
-from ember.tuning.space import SweepSpace, override
+from ember.tuning.space import SweepSpace, override, trial_values
 from ember.tuning.sweep_report import FINISHED, SweepResult, report
 
 STUDY_NAME = "ember-sweep"
@@ -125,15 +129,17 @@ def run_sweep(
     try:
         with file_lock(where / "sweep.lock", blocking=False):
             _check_same_sweep(where, spec)
+            check_study_file(where / "study.db")
             _write_json(where / "sweep.json", spec)
-            storage = open_storage(where)
-            study = optuna.create_study(
-                storage=storage,
-                study_name=STUDY_NAME,
-                direction=space.direction,  # type: ignore[arg-type]
-                load_if_exists=True,
-            )
-            _recover(where, storage, study, verbose)
+            with _study_errors(where / "study.db"):
+                storage = open_storage(where)
+                study = optuna.create_study(
+                    storage=storage,
+                    study_name=STUDY_NAME,
+                    direction=space.direction,  # type: ignore[arg-type]
+                    load_if_exists=True,
+                )
+                _recover(where, storage, study, verbose)
             if _remaining(study, trials, max_failures):
                 _run_workers(where, workers, storage, study, space, verbose)
             return report(where, study, space, spec, verbose)
@@ -153,12 +159,59 @@ def _check_same_sweep(where: Path, spec: dict[str, Any]) -> None:
     path = where / "sweep.json"
     if not path.exists():
         return
-    saved = json.loads(path.read_text(encoding="utf-8"))
+    move_aside = f"move it aside (the trials in {where / 'study.db'} are kept) or give another --dir"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path} is not a sweep record (not UTF-8 JSON: {exc}); {move_aside}") from None
+    if not isinstance(saved, dict) or not {"space", "base"} <= saved.keys():
+        raise ConfigError(f"{path} is not a sweep record (no space and base config); {move_aside}")
     for key, what in (("space", "search space"), ("base", "base config (after overrides)")):
         if saved.get(key) != json.loads(json.dumps(spec[key])):
             raise ConfigError(
                 f"{where} holds a sweep with another {what}; run the same command to continue it, or give a new --dir"
             )
+
+
+def check_study_file(path: Path) -> None:
+    """Refuse a ``study.db`` that is not an intact SQLite database holding Optuna's tables (an empty or missing
+    file is a new study), before Optuna or SQLAlchemy touch it."""
+    import sqlite3
+
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    db = None
+    try:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=120)
+        check = db.execute("PRAGMA quick_check").fetchall()
+        tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.Error as exc:
+        raise _not_a_study(path, str(exc)) from None
+    finally:
+        if db is not None:
+            db.close()
+    if check != [("ok",)]:
+        raise _not_a_study(path, f"damaged: {str(check[0][0]).splitlines()[-1]}")
+    if tables and not {"studies", "trials"} <= tables:
+        raise _not_a_study(path, "an SQLite database without Optuna's tables")
+
+
+def _not_a_study(path: Path, why: str) -> ConfigError:
+    return ConfigError(
+        f"{path} is not an Optuna study ({why}); move it aside (the sweep then starts again with no trials) "
+        "or give another --dir"
+    )
+
+
+@contextlib.contextmanager
+def _study_errors(path: Path) -> Iterator[None]:
+    """What SQLAlchemy raises for a study file `check_study_file` could not judge, as one line."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        yield
+    except SQLAlchemyError as exc:
+        raise _not_a_study(path, str(getattr(exc, "orig", None) or exc).splitlines()[0]) from None
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -190,8 +243,9 @@ def fail_and_retry(storage: Any, study: Any, trial: Any, why: str) -> None:
 
     set_user_attr(storage, study, trial.number, "stopped", why)
     study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
-    if "retry_of" not in trial.user_attrs and trial.params:
-        study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
+    values = trial_values(trial)
+    if "retry_of" not in trial.user_attrs and values:
+        study.enqueue_trial(values, user_attrs={"retry_of": trial.number})
 
 
 def set_user_attr(storage: Any, study: Any, number: int, key: str, value: Any) -> None:
@@ -251,9 +305,10 @@ def _start_worker(where: Path, index: int, count: int) -> subprocess.Popen[bytes
 def _worker_died(where: Path, storage: Any, study: Any, index: int, code: int) -> None:
     log = where / "logs" / f"worker-{index}.log"
     print(f"sweep: worker {index} exited with status {code}; see {log}", file=sys.stderr, flush=True)
-    for trial in study.get_trials(deepcopy=False):
-        if trial.state.name == "RUNNING" and trial.user_attrs.get("worker") == index:
-            fail_and_retry(storage, study, trial, f"its worker exited with status {code}")
+    with file_lock(where / "ask.lock"):  # no worker picks the trial's values between failing and queueing them
+        for trial in study.get_trials(deepcopy=False):
+            if trial.state.name == "RUNNING" and trial.user_attrs.get("worker") == index:
+                fail_and_retry(storage, study, trial, f"its worker exited with status {code}")
 
 
 def _print_finished(study: Any, reported: set[int], space: SweepSpace, verbose: bool) -> None:

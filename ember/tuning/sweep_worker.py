@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import Callback
+from ember.tuning.space import point_key, trial_values
 
 if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
@@ -154,9 +155,10 @@ def main(argv: list[str]) -> int:
             sampler=space.make_sampler(index, offset),
             pruner=space.make_pruner(),
         )
+        points = space.grid_points() if space.sampler == "grid" else None
         while True:
             with file_lock(where / "ask.lock"):
-                trial = _next_trial(study, spec)
+                trial = _next_trial(study, spec, points)
                 if trial is None:
                     return 0
                 trial.set_user_attr("worker", index)
@@ -164,16 +166,28 @@ def main(argv: list[str]) -> int:
             run_trial(study, trial, spec, space, where, parent)
 
 
-def _next_trial(study: Any, spec: dict[str, Any]) -> Any:
-    """A new trial, or None when finished + running trials reach the target or too many trials raised."""
+def _next_trial(study: Any, spec: dict[str, Any], grid: list[dict[str, Any]] | None = None) -> Any:
+    """A new trial, or None when finished + running trials reach the target or too many trials raised.
+
+    With a `grid` (its points, in order) the trial gets the first point no trial has finished, runs or waits
+    for (a queued retry) as fixed values; None when there is none. Call it under the ask lock: the choice
+    and the ask are one step for all workers.
+    """
+    trials = study.get_trials(deepcopy=False)
     finished = running = errors = 0
-    for trial in study.get_trials(deepcopy=False):
+    for trial in trials:
         state = trial.state.name
         finished += state in ("COMPLETE", "PRUNED")
         running += state == "RUNNING"
         errors += state == "FAIL" and "error" in trial.user_attrs
     if finished + running >= spec["trials"] or errors >= spec["max_failures"]:
         return None
+    if grid is not None and not any(t.state.name == "WAITING" for t in trials):  # a waiting one is asked first
+        taken = {point_key(trial_values(t)) for t in trials if t.state.name in ("COMPLETE", "PRUNED", "RUNNING")}
+        point = next((p for p in grid if point_key(p) not in taken), None)
+        if point is None:
+            return None
+        study.enqueue_trial(point)
     return study.ask()
 
 

@@ -80,6 +80,27 @@ def test_grid_needs_values_and_knows_its_size() -> None:
         SweepSpace.from_dict(bad)
 
 
+def test_the_grid_lists_every_point_once_in_a_seeded_order() -> None:
+    grid = {
+        "metric": "val/acc",
+        "sampler": "grid",
+        "parameters": {
+            "a": {"values": [1, 2, 3]},
+            "b": {"values": ["x", "y"]},
+            "c": {"min": 4, "max": 5, "distribution": "int_uniform"},
+        },
+    }
+    points = SweepSpace.from_dict(grid).grid_points()
+    every = [{"a": a, "b": b, "c": c} for a in (1, 2, 3) for b in ("x", "y") for c in (4, 5)]
+    assert sorted(points, key=str) == sorted(every, key=str) and len(points) == 12
+    assert SweepSpace.from_dict(grid).grid_points() == points  # the same for every worker and every run
+    reseeded = SweepSpace.from_dict({**grid, "sampler": {"name": "grid", "seed": 5}}).grid_points()
+    assert reseeded != points and sorted(reseeded, key=str) == sorted(every, key=str)
+    assert SweepSpace.from_dict({**grid, "seed": 5}).grid_points() == reseeded  # the space's seed, if no other
+    with pytest.raises(ConfigError, match=r"sampler\.shuffle: the grid sampler takes only seed"):
+        SweepSpace.from_dict({**grid, "sampler": {"name": "grid", "shuffle": True}})
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -96,6 +117,14 @@ def test_grid_needs_values_and_knows_its_size() -> None:
         ({"parameters": {"m.n": {"distribution": "int_uniform", "min": 0.5, "max": 4}}}, "whole-number bounds"),
         ({"parameters": {"m.n": {"distribution": "uniform", "min": 0, "max": 1, "step": 2}}}, "m.n.step: no such key"),
         ({"parameters": {"m.n": {"values": [[1, 2]]}}}, "values must be numbers"),
+        (
+            {"parameters": {"m.n": {"distribution": "uniform", "min": 0, "max": float("inf")}}},
+            "m.n.max: expected a fin",
+        ),
+        ({"parameters": {"m.n": {"values": [1, None, 2.0]}}}, "got int 1 and float 2.0 (write 1.0 for a float)"),
+        ({"parameters": {"m.n": {"values": [0.5, 1]}}}, "got float 0.5 and int 1 (write 1.0 for a float)"),
+        ({"parameters": {"m.n": {"values": ["a", "b", "a"]}}}, "m.n.values: 'a' is listed twice"),
+        ({"parameters": {"m.n": {"values": [0.5, float("nan")]}}}, "m.n.values: .nan is not a finite number"),
         ({"seed": "zero"}, "seed: expected an int"),
     ],
 )

@@ -76,3 +76,36 @@ def test_a_trial_cut_off_before_drawing_values_is_failed_and_not_queued(study: o
     fail_and_retry(study._storage, study, study.trials[asked.number], "the sweep was stopped while it ran")
     assert [(t.state, t.params) for t in study.trials] == [(TrialState.FAIL, {})]  # nothing to repeat
     assert _next_trial(study, spec) is not None and _next_trial(study, spec) is not None  # both places free
+
+
+GRID = [{"a": 1, "b": "x"}, {"a": 2, "b": "x"}, {"a": 1, "b": "y"}]
+
+
+def run_point(trial: optuna.Trial) -> dict[str, object]:
+    """What a worker does with a grid trial: draw its values (fixed: the point it was queued with)."""
+    return {"a": trial.suggest_categorical("a", [1, 2]), "b": trial.suggest_categorical("b", ["x", "y"])}
+
+
+def test_grid_workers_take_each_point_once_and_stop_after_the_last(study: optuna.Study) -> None:
+    spec = {"trials": 3, "max_failures": 3}
+    first, second = _next_trial(study, spec, GRID), _next_trial(study, spec, GRID)  # two workers, interleaved
+    assert [run_point(first), run_point(second)] == GRID[:2]  # the second is asked before the first drew values
+    study.tell(first, 0.5)
+    third = _next_trial(study, spec, GRID)
+    assert run_point(third) == GRID[2] and _next_trial(study, spec, GRID) is None
+    study.tell(second, 0.6)
+    study.tell(third, 0.7)  # the last point: nothing raises (Optuna's GridSampler called Study.stop here)
+    assert _next_trial(study, {**spec, "trials": 4}, GRID) is None  # every point done: the grid is complete
+    assert sorted((t.params["a"], t.params["b"]) for t in study.trials) == [(1, "x"), (1, "y"), (2, "x")]
+
+
+def test_a_grid_point_cut_off_or_failed_is_the_next_one_run(study: optuna.Study) -> None:
+    spec = {"trials": 3, "max_failures": 3}
+    cut = _next_trial(study, spec, GRID)  # its worker dies before it draws its values
+    fail_and_retry(study._storage, study, study.trials[cut.number], "its worker exited with status -9")
+    retry = _next_trial(study, spec, GRID)
+    assert retry.number == 1 and run_point(retry) == GRID[0]  # queued again with its point, and asked first
+    retry.set_user_attr("error", "ValueError: boom")
+    study.tell(retry, state=TrialState.FAIL)  # a trial that raised: its point is free again
+    again = _next_trial(study, spec, GRID)
+    assert run_point(again) == GRID[0] and "retry_of" not in study.trials[again.number].user_attrs
