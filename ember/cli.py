@@ -92,12 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ember`` and ``python -m ember``; returns the exit code."""
     from ember.checkpoint import CheckpointError, CheckpointWriteError
-    from ember.config import ConfigError
+    from ember.errors import UsageError
 
     args, overrides = build_parser().parse_known_args(argv)
     try:
         return _main(args, overrides)
-    except (ConfigError, CheckpointError) as exc:
+    except (UsageError, CheckpointError) as exc:
         # A config or checkpoint the user gave that cannot be used: exit 2. A checkpoint that could not be
         # written (a full disk): exit 1. Either way one line; the previous checkpoint is intact.
         if args.debug:

@@ -9,6 +9,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, TextIO
 
 from ember.callbacks.callback import Callback
+from ember.callbacks.monitored import check_after_sanity
 
 if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
@@ -138,6 +139,10 @@ class EarlyStopping(Callback):
         """Check after each validation run inside fit."""
         if not self._on_epoch_end and trainer.stage == "fit" and not trainer.sanity_checking:
             self._check(trainer)
+
+    def on_sanity_check_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        """A misspelt `monitor` stops the fit here, before its first step (`callbacks.monitored`)."""
+        check_after_sanity(trainer, "EarlyStopping", self.monitor)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
         """Check at the end of each training epoch (without validation, or when asked)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import Callback
+from ember.callbacks.monitored import check_after_sanity
 
 if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
@@ -168,6 +169,10 @@ class ModelCheckpoint(Callback):
             shutil.rmtree(path, ignore_errors=True)
 
     # --- triggers -----------------------------------------------------------------
+    def on_sanity_check_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        """A misspelt `monitor` stops the fit here, before its first step (`callbacks.monitored`)."""
+        check_after_sanity(trainer, "ModelCheckpoint", self.monitor)
+
     def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
         if self.dirpath is None and stage == "fit":
             self.dirpath = trainer.run_dir / "checkpoints"

@@ -29,6 +29,8 @@ class Reporter:
         self.logged: dict[str, float] = {}
         #: Every epoch metric of the most recent validation/test run, as floats.
         self.last_eval_metrics: dict[str, float] = {}
+        #: The names the most recent sanity check logged (``callbacks.monitored`` checks monitors against them).
+        self.sanity_names: frozenset[str] = frozenset()
 
     def use(self, collector: MetricCollector) -> None:
         """Make `collector` the one ``self.log`` writes to (an evaluation's while it runs)."""
@@ -55,6 +57,7 @@ class Reporter:
         """A new fit/validate/test/predict: ``callback_metrics`` and ``logged_metrics`` show only its values
         (as in Lightning, where ``trainer.test()`` after fit shows the test metrics alone)."""
         self.epoch_metrics, self.logged, self.last_eval_metrics = {}, {}, {}
+        self.sanity_names = frozenset()
         self.train_collector.start_epoch("train")
         self.eval_collector.start_epoch("validation")
 
@@ -92,6 +95,7 @@ class Reporter:
         dataloaders, a name ending in ``/dataloader_idx_N`` goes to dataloader N's dict, and a plain name (logged in
         ``on_validation_epoch_end``, say) to every dict, as in Lightning."""
         if self.trainer.sanity_checking:
+            self.sanity_names = frozenset(metrics)
             return []
         self.log_epoch_metrics(metrics)
         floats = self.last_eval_metrics = to_floats(metrics)
