@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ember import checkpoint as ckpt
-from ember.checkpoint import registry
+from ember.checkpoint import data_position, registry
 from ember.checkpoint.hparams import for_checkpoint
 
 if TYPE_CHECKING:
@@ -184,9 +184,11 @@ class CheckpointManager:
 
     def restore(self, trainer: Trainer, module: TrainingModule, path: Path) -> dict[str, Any]:
         """Restore every registry entry from checkpoint `path` for resuming training; returns this process's
-        state (random streams, data position), which the fit loop applies when training continues."""
+        state (random streams, data position), which the fit loop applies when training continues. A data
+        position that cannot continue under this run's data settings is refused here, before any step."""
         loaded = registry.load(path, trainer.global_rank, trainer.world_size)
         registry.restore(trainer, module, loaded)
+        data_position.check_rest_of_epoch(trainer, path, loaded.rank_state)  # before any step: refuse, or plan
         return loaded.rank_state
 
     @staticmethod
