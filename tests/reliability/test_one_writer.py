@@ -307,3 +307,32 @@ def test_under_ddp_only_process_0_holds_the_run_and_a_refusal_stops_every_proces
         assert result["error"] is not None, "a process trained on a run another process holds"
         assert f"is being written by another process: pid {rank0_pid} on host" in result["error"]
     assert job.returncode == 0, harness.describe(job)
+
+
+def test_a_writer_whose_run_was_taken_over_writes_no_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The holder stalled past the timeout and another host took the run over: its next save raises instead."""
+    import json
+
+    from ember.checkpoint.run_lock import RunLockedError
+
+    monkeypatch.setenv("EMBER_RUN_LOCK_TIMEOUT_S", "0.4")  # a heartbeat every 0.1 s
+    run_dir = tmp_path / "_tiny" / "version_0"
+    taker = run_dir / ".writer-1.lock"
+
+    def take_over() -> None:
+        holder = {"host": "other-node", "machine": "m", "pid": 4242, "process_start": "", "since": time.time()}
+        taker.write_text(json.dumps({**holder, "token": "t" * 32}))
+        (run_dir / ".writer-0.lock").unlink()
+        deadline = time.monotonic() + 1.0  # a few heartbeats of the holder, while the taker's keeps beating
+        while time.monotonic() < deadline:
+            os.utime(taker)
+            time.sleep(0.02)
+
+    with pytest.raises(RunLockedError) as lost:
+        _tiny_fit(tmp_path, _AtStep(2, take_over))  # the epoch-end checkpoint comes at step 4
+    assert f"this process no longer holds run {run_dir}" in str(lost.value)
+    assert "pid 4242 on host other-node" in str(lost.value)
+    assert not list((run_dir / "checkpoints").glob("epoch=*")), "the displaced writer wrote a checkpoint"
+    assert taker.exists(), "the displaced writer removed the new holder's lock"
