@@ -1,5 +1,5 @@
-"""The data position of a checkpoint as samples consumed by all processes, and the rest of an interrupted
-epoch on a different number of processes.
+"""The data position of a checkpoint in samples, and the rest of an interrupted epoch on a different number
+of processes, or at another batch size or dataset length.
 
 On the same number of processes, `resume` re-creates each process's iterator exactly (bitwise). On a
 different number, the per-process position means nothing to the new processes, so every checkpoint also
@@ -17,6 +17,12 @@ The batch indices of the rest are numbered so the epoch ends at its usual last i
 What cannot be rebuilt is refused with `ember.checkpoint.CheckpointError` saying what to do: a custom
 sampler or batch sampler, an iterable dataset, ``use_distributed_sampler=False`` with several processes,
 or an epoch cut short by ``limit_train_batches``.
+
+On as many processes whose batch size or training dataset length changed since the checkpoint, each process
+also records the samples of its own order it consumed (`check_rest_of_epoch`): the epoch continues from that
+sample of the same order, batched at the new size (no sample skipped or repeated), and what cannot (a dataset
+shorter than that, an order that depends on the dataset's length, a sampler switched) is refused before any
+step.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 from torch.utils.data.distributed import DistributedSampler
 
 from ember.checkpoint import CheckpointError
-from ember.checkpoint.resume import open_batches, restore_epoch_start
+from ember.checkpoint.resume import open_at_sample, open_batches, restore_epoch_start
 
 if TYPE_CHECKING:
     from ember.trainer.loop import FitLoop
@@ -60,6 +66,9 @@ def record(trainer: Trainer) -> dict[str, Any] | None:
     length = _length(dataset)
     position["dataset_size"] = length
     position["whole_epoch"] = trainer.epoch_plan.num_batches == len(loader)
+    # this process's own account, for a resume on as many processes with other data settings
+    position.update(batch_size=batch_size, sampler=type(sampler).__qualname__)
+    position["process_samples"] = _consumed(progress.batch_idx * batch_size, sampler)
     if isinstance(sampler, DistributedSampler) and sampler.num_replicas == world_size:
         per_process = min(progress.batch_idx * batch_size, sampler.num_samples)
         position.update(
@@ -108,17 +117,74 @@ def split_rest(rest: list[int], world_size: int, rank: int, batch_size: int, dro
 
 
 def open_rest_of_epoch(loop: FitLoop, saved: dict[str, Any], start: int) -> tuple[Iterator[Any], int, int]:
-    """The iterator over this process's part of the rest of the interrupted epoch (`rest_of_epoch`), with the
-    batch index it starts at and the index validation counts as done after (-1: none).
+    """The iterator over this process's part of the rest of the interrupted epoch, with the batch index it
+    starts at and the index validation counts as done after (-1: none).
 
-    The epoch's batch index continues so that the epoch ends at its usual last index; a validation that
-    ran right at the checkpoint still counts as done.
+    On as many processes with another batch size or dataset length (`check_rest_of_epoch` marked `saved`), the
+    rest is the epoch's own order from the sample the process had reached, batched at the new size; on another
+    number of processes, `rest_of_epoch`. The epoch's batch index continues so that the epoch ends at its usual
+    last index; a validation that ran right at the checkpoint still counts as done.
     """
     trainer, loader = loop.trainer, loop.train_loader
-    rest = rest_of_epoch(trainer, loader, saved, loop.epoch_start_state)
-    first = int(loop.plan.num_batches) - len(rest)
+    if _FROM_SAMPLE in saved:
+        epoch_start, epoch = loop.epoch_start_state, loop.state.epoch
+        iterator, count = open_at_sample(loader, saved[_FROM_SAMPLE], epoch_start, saved["rng"], epoch)
+    else:
+        rest = rest_of_epoch(trainer, loader, saved, loop.epoch_start_state)
+        iterator, count = open_batches(loader, rest, saved["rng"]), len(rest)
+    first = int(loop.plan.num_batches) - count
     validated = first - 1 if loop.state.validated_after == start - 1 else -1
-    return open_batches(loader, rest, saved["rng"]), first, validated
+    return iterator, first, validated
+
+
+#: The key `check_rest_of_epoch` adds to a process's checkpointed state: the sampler entry its epoch continues at.
+_FROM_SAMPLE = "rest_from_sample"
+
+
+def check_rest_of_epoch(trainer: Trainer, path: Any, saved: dict[str, Any]) -> None:
+    """Before any step: whether a checkpoint saved in the middle of an epoch continues exactly on as many
+    processes whose batch size or training dataset length changed since. Where it can (the epoch's order is
+    the same, and reaches past the samples already consumed), `saved` is marked to continue that order at the
+    sample; where it cannot, `CheckpointError` says why and what to do. Same settings: nothing changes (the
+    resume skips whole batches, bitwise). Checkpoints from before ember recorded the batch size are not checked.
+    """
+    position = saved.get("position") or {}
+    if trainer.progress.batch_idx == 0 or "batch_size" not in position or not same_layout(saved, trainer.strategy):
+        return  # an epoch boundary, an older checkpoint, or another number of processes (`rest_of_epoch`)
+    loader = trainer.train_dataloader
+    if not isinstance(loader, DataLoader) or type(loader.batch_sampler) is not BatchSampler:
+        return  # a custom batch sampler: ember skips its batches (it cannot tell what changed in it)
+    if isinstance(loader.dataset, IterableDataset):
+        return  # iterable data continues through its own state_dict
+    sampler, batch_size, length = loader.sampler, loader.batch_size, _length(loader.dataset)
+    kind, consumed = type(sampler).__qualname__, position["process_samples"]
+
+    def refuse(reason: str) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint {path} was saved in the middle of epoch {position['epoch']} (after {position['batches']} "
+            f"batches, {consumed} samples) and {reason}. Resume with the data settings it was saved with, or from a "
+            "checkpoint saved at an epoch end (e.g. ModelCheckpoint(every_n_epochs=1))"
+        )
+
+    if kind != position["sampler"]:
+        raise refuse(f"its samples came from a {position['sampler']}, this run's come from a {kind}")
+    if batch_size == position["batch_size"] and length == position["dataset_size"]:
+        return
+    if not position["whole_epoch"] or trainer.epoch_plan.num_batches != len(loader):
+        raise refuse("limit_train_batches cuts the epoch short, so its rest at another batch size is not defined")
+    if length != position["dataset_size"]:
+        if type(sampler) is not SequentialSampler:
+            order = "shuffled order" if isinstance(sampler, RandomSampler) else f"order (from a {kind})"
+            raise refuse(
+                f"the epoch's {order} of {position['dataset_size']} samples cannot continue over this run's "
+                f"training dataset of {length}: it orders another length differently"
+            )
+        if length < consumed:
+            raise refuse(
+                f"this run's training dataset has {length} samples, fewer than the {consumed} already trained on "
+                "in this epoch"
+            )
+    saved[_FROM_SAMPLE] = consumed
 
 
 def rest_of_epoch(
@@ -202,9 +268,12 @@ def data_world(strategy: Any) -> tuple[int, int]:
 
 def same_layout(saved: dict[str, Any] | None, strategy: Any) -> bool:
     """Whether a checkpoint's per-process data state fits this run: the same number of processes and of
-    data-parallel shards (else the rest of an interrupted epoch is rebuilt from the global position)."""
+    data-parallel shards, and (`check_rest_of_epoch`) the same batch size and dataset length in the middle of an
+    epoch. Else the rest of an interrupted epoch is rebuilt (`open_rest_of_epoch`)."""
     if saved is None:
         return True
+    if _FROM_SAMPLE in saved:  # as many processes, but another batch size or dataset length
+        return False
     position = saved.get("position") or {}
     shards = data_world(strategy)[0]
     return saved.get("saved_world_size", 1) == strategy.world_size and position.get("world_size", shards) == shards
@@ -237,3 +306,11 @@ def _replay(loader: Any, epoch_start: dict[str, Any] | None) -> list[int]:
 
 def _length(dataset: Any) -> int:
     return len(dataset)
+
+
+def _consumed(samples: int, sampler: Any) -> int:
+    """`samples`, capped at what `sampler` yields in an epoch (when it has a length)."""
+    try:
+        return min(samples, len(sampler))
+    except TypeError:
+        return samples

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ember import checkpoint as ckpt
-from ember.checkpoint import registry
+from ember.checkpoint import data_position, registry
 from ember.checkpoint.hparams import for_checkpoint
+from ember.checkpoint.run_lock import RunLock
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -76,6 +77,8 @@ class CheckpointManager:
         self._in_flight: Path | None = None  # the checkpoint the background thread is writing
         #: Copies of the last async snapshot, reused by the next one (`release` frees them).
         self._staging: dict[str, Tensor] = {}
+        #: This process's claim on the run directory fit writes into (`claim_run`); None outside fit.
+        self._run_lock: RunLock | None = None
 
     def request(self, path: Path, weights_only: bool, async_save: bool, set_last: bool, on_done: OnDone | None) -> None:
         if any(r.path == path for r in self.pending) or path == self._in_flight or path.exists():
@@ -91,6 +94,8 @@ class CheckpointManager:
         if self.pending:
             try:
                 trainer.finite_guard.check()
+                if self._run_lock is not None:
+                    self._run_lock.check()  # taken over by another process: it writes the run now, not this one
             except BaseException:
                 self.pending.clear()
                 raise
@@ -182,11 +187,25 @@ class CheckpointManager:
             info(trainer, message)
         return path, run_dir
 
+    def claim_run(self, run_dir: Path) -> None:
+        """Hold `run_dir`'s writer lock until `release_run` (`ember.checkpoint.run_lock`): one writer per run.
+        Raises `RunLockedError`, naming the holder, when another process holds it."""
+        self.release_run()
+        self._run_lock = RunLock.acquire(run_dir)
+
+    def release_run(self) -> None:
+        """Let go of the run directory's writer lock, if this manager holds one."""
+        lock, self._run_lock = self._run_lock, None
+        if lock is not None:
+            lock.release()
+
     def restore(self, trainer: Trainer, module: TrainingModule, path: Path) -> dict[str, Any]:
         """Restore every registry entry from checkpoint `path` for resuming training; returns this process's
-        state (random streams, data position), which the fit loop applies when training continues."""
+        state (random streams, data position), which the fit loop applies when training continues. A data
+        position that cannot continue under this run's data settings is refused here, before any step."""
         loaded = registry.load(path, trainer.global_rank, trainer.world_size)
         registry.restore(trainer, module, loaded)
+        data_position.check_rest_of_epoch(trainer, path, loaded.rank_state)  # before any step: refuse, or plan
         return loaded.rank_state
 
     @staticmethod

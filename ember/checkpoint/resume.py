@@ -170,6 +170,30 @@ class _SkippingSampler:
         return self.first
 
 
+class _Batched:
+    """Stands in for a DataLoader's batch sampler while a resumed epoch's iterator is created at a sample: the
+    entries of `sampler` (a `_SkippingSampler` over the loader's sampler) in batches of `batch_size`, as
+    ``BatchSampler`` makes them (the same requests to the sampler, so the same draws). Once `sampler` is no
+    longer active (later epochs of a persistent-worker iterator), the loader's own batch sampler."""
+
+    def __init__(self, sampler: _SkippingSampler, batch_size: int, drop_last: bool, original: Any) -> None:
+        self.sampler, self.batch_size, self.drop_last, self.original = sampler, batch_size, drop_last, original
+
+    def __len__(self) -> int:
+        return len(self.original)
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        if not self.sampler.active:
+            return iter(self.original)
+        return self._batches(iter(self.sampler))  # the sampler's iterator now: `open_positioned` primes it
+
+    def _batches(self, indices: Iterator[Any]) -> Iterator[list[Any]]:
+        while batch := list(itertools.islice(indices, self.batch_size)):
+            if len(batch) < self.batch_size and self.drop_last:
+                return
+            yield batch
+
+
 def reuses_workers(loader: Any, epoch: int) -> bool:
     """Whether an uninterrupted run would reuse `loader`'s persistent workers in `epoch` (so its iterator,
     created in epoch 0, is only reset: no new worker base seed is drawn)."""
@@ -182,8 +206,12 @@ def reuses_workers(loader: Any, epoch: int) -> bool:
     )
 
 
-def open_positioned(loader: Any, skip: int, epoch_start: dict[str, Any], epoch: int) -> Iterator[Any]:
-    """``iter(loader)`` from the generator states `epoch_start`, its sampler past the first `skip` entries.
+def open_positioned(
+    loader: Any, skip: int, epoch_start: dict[str, Any], epoch: int, in_samples: bool = False
+) -> Iterator[Any]:
+    """``iter(loader)`` from the generator states `epoch_start`, its sampler past the first `skip` entries: batches,
+    or with `in_samples` entries of the loader's sampler, the rest batched at the loader's batch size (a resume
+    at another batch size or dataset length, `data_position.check_rest_of_epoch`).
 
     The states are put back first, so the iterator draws what the uninterrupted run's drew. For a loader
     whose persistent workers the uninterrupted run would have reused, the new iterator's worker base-seed
@@ -196,7 +224,8 @@ def open_positioned(loader: Any, skip: int, epoch_start: dict[str, Any], epoch: 
     reused = reuses_workers(loader, epoch)
     generators = _loader_generators(loader)  # found now: the stand-in hides the sampler's
     rewind = (lambda: restore_epoch_start(loader, epoch_start, generators)) if reused else None
-    stand_in = _SkippingSampler(original, skip, rewind)
+    skipping = _SkippingSampler(loader.sampler if in_samples else original, skip, rewind)
+    stand_in = _Batched(skipping, loader.batch_size, loader.drop_last, original) if in_samples else skipping
     dataset_set_epoch = getattr(getattr(loader, "dataset", None), "set_epoch", None)
     restore_epoch_start(loader, epoch_start, generators)
     object.__setattr__(loader, attr, stand_in)  # DataLoader forbids setting it after __init__; one epoch only
@@ -204,14 +233,28 @@ def open_positioned(loader: Any, skip: int, epoch_start: dict[str, Any], epoch: 
         if reused and callable(dataset_set_epoch):
             dataset_set_epoch(0)  # the copy the workers get
         iterator = iter(loader)
-        assert stand_in.first is not None
-        stand_in.first.prime()  # the permutation is drawn now, where the uninterrupted run drew it
+        assert skipping.first is not None
+        skipping.first.prime()  # the permutation is drawn now, where the uninterrupted run drew it
     finally:
-        stand_in.active = False
+        skipping.active = False
         object.__setattr__(loader, attr, original)
         if reused and callable(dataset_set_epoch):
             dataset_set_epoch(epoch)
     return iterator
+
+
+def open_at_sample(
+    loader: Any, skip: int, epoch_start: dict[str, Any] | None, step_rng: dict[str, Any], epoch: int
+) -> tuple[Iterator[Any], int]:
+    """An iterator over `loader` from entry `skip` of its sampler on, batched at its batch size, with the step's
+    random streams restored; and how many batches it yields."""
+    if epoch_start is None:
+        raise RuntimeError("the checkpoint lacks the epoch's data position (epoch_start); it cannot resume mid-epoch")
+    iterator = open_positioned(loader, skip, epoch_start, epoch, in_samples=True)
+    restore_rng(step_rng)
+    rest = max(len(loader.sampler) - skip, 0)
+    batch_size = loader.batch_size
+    return iterator, rest // batch_size if loader.drop_last else -(-rest // batch_size)
 
 
 class _FixedBatches:

@@ -26,6 +26,7 @@ from ember import checkpoint as ckpt
 from ember import stages
 from ember.callbacks.callback_list import CallbackList
 from ember.callbacks.model_checkpoint import ModelCheckpoint
+from ember.checkpoint.run_lock import RunLockedError
 from ember.loggers.logger import Logger
 from ember.modules.datamodule import DataModule
 from ember.modules.module import TrainingModule
@@ -133,9 +134,32 @@ def prepare(
         boundary = Path(options.default_root_dir).parent
         claimed = ckpt.claim_version(root, boundary) if trainer.is_global_zero else None
         state.run_dir = trainer.strategy.broadcast(claimed[0] if claimed is not None else None)
-    for logger in trainer.loggers:
-        logger.attach(trainer.run_dir)
+    if stage is stages.FIT:
+        hold_run(trainer, claimed)
+    try:
+        for logger in trainer.loggers:
+            logger.attach(trainer.run_dir)
+    except BaseException:
+        trainer.checkpoints.release_run()  # `finish` will not run: nothing of this run started
+        raise
     return hooks, claimed
+
+
+def hold_run(trainer: Trainer, claimed: tuple[Path, Path] | None) -> None:
+    """Fit writes into its run directory: process 0 holds the run's writer lock until `finish` (one writer per
+    run), and every process learns whether it could, so a refused job stops everywhere before it writes."""
+    error: ckpt.CheckpointError | None = None
+    if trainer.is_global_zero:
+        try:
+            trainer.checkpoints.claim_run(trainer.run_dir)
+        except ckpt.CheckpointError as exc:
+            error = exc
+    refusal = trainer.strategy.broadcast(None if error is None else str(error))
+    if refusal is None:
+        return
+    if claimed is not None and trainer.world_size == 1:
+        ckpt.release_if_empty(*claimed)
+    raise error if error is not None else RunLockedError(refusal)
 
 
 def start(trainer: Trainer, stage: stages.Stage, module: TrainingModule, datamodule: DataModule | None) -> None:
@@ -184,15 +208,19 @@ def finish(
     trainer: Trainer, stage: stages.Stage, datamodule: DataModule | None, status: str, claimed: tuple[Path, Path] | None
 ) -> None:
     """Undo what `start` did, close the loggers, run ``teardown``; release an unused run directory (one
-    process only: in a job, another process may still write into it, e.g. ``ember predict``'s outputs)."""
-    trainer.run_state.preemption.restore()
-    for logger in trainer.loggers:
-        logger.finalize(status)
-    trainer.hooks.teardown(stage.name)
-    if datamodule is not None:
-        datamodule.teardown(stage.name)
-    trainer.strategy.teardown()
-    trainer.run_state.stage = None
+    process only: in a job, another process may still write into it, e.g. ``ember predict``'s outputs). The
+    run's writer lock is let go last, whatever failed before."""
+    try:
+        trainer.run_state.preemption.restore()
+        for logger in trainer.loggers:
+            logger.finalize(status)
+        trainer.hooks.teardown(stage.name)
+        if datamodule is not None:
+            datamodule.teardown(stage.name)
+        trainer.strategy.teardown()
+        trainer.run_state.stage = None
+    finally:
+        trainer.checkpoints.release_run()
     if claimed is not None and trainer.world_size == 1:
         ckpt.release_if_empty(*claimed)
     if trainer.profiler is not None:
