@@ -12,6 +12,7 @@ import contextlib
 import errno
 import os
 import shutil
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,6 +151,41 @@ def _write_files(
     return [] if sync else unsynced
 
 
+def fsync_together(paths: list[Path]) -> None:
+    """fsync every path in `paths` at the same time (the calling thread and one thread per other path); once
+    all are done, raise the first failure.
+
+    A journaling file system commits fsyncs that wait at the same time in one journal transaction; one after
+    another, each waits for a commit of its own (ext4 on a 2-core VM: the four files of a small checkpoint
+    and its directory took 16-18 ms in a row, 1-4 ms together). Plain threads, not an executor: a background
+    write finishing while the interpreter exits must still be able to start them (and, where it cannot,
+    syncs one path after another).
+    """
+    errors: list[BaseException] = []
+
+    def sync(path: Path) -> None:
+        try:
+            fsync_path(path)
+        except BaseException as exc:  # raised by the caller once every path is done
+            errors.append(exc)
+
+    threads = []
+    for path in paths[1:]:
+        thread = threading.Thread(target=sync, args=(path,), name="ember-fsync", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no new threads (the interpreter is finalizing): this one does it
+            sync(path)
+        else:
+            threads.append(thread)
+    for path in paths[:1]:
+        sync(path)
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 class StagedCheckpoint:
     """A one-process checkpoint whose files are written under a temporary name but not yet durable.
 
@@ -166,9 +202,7 @@ class StagedCheckpoint:
 
     def finish(self) -> Path:
         try:
-            for file in self.unsynced:
-                fsync_path(file)
-            fsync_path(self.tmp)
+            fsync_together([*self.unsynced, self.tmp])
             os.rename(self.tmp, self.path)
             fsync_path(self.path.parent)
             if self.set_last:  # `last` only ever names a complete checkpoint
