@@ -201,14 +201,22 @@ class StagedCheckpoint:
         self.path, self.tmp, self.unsynced, self.set_last = path, tmp, unsynced, set_last
 
     def finish(self) -> Path:
+        """fsync the files, the directory and the new ``last`` (written beside it) together; rename the
+        directory into place; then, once that rename is durable, the new ``last`` over the old one."""
+        pointer = self.path.parent / f".{LAST_FILE}.tmp-{os.getpid()}"
         try:
-            fsync_together([*self.unsynced, self.tmp])
+            if self.set_last:
+                pointer.write_text(self.path.name + "\n", encoding="utf-8")
+            fsync_together([*self.unsynced, self.tmp, *([pointer] if self.set_last else [])])
             os.rename(self.tmp, self.path)
             fsync_path(self.path.parent)
             if self.set_last:  # `last` only ever names a complete checkpoint
-                point_last_at(self.path)
+                os.replace(pointer, self.path.parent / LAST_FILE)
+                fsync_path(self.path.parent)
         except BaseException as exc:
             shutil.rmtree(self.tmp, ignore_errors=True)
+            if self.set_last:
+                pointer.unlink(missing_ok=True)
             _raise_write_error(self.path, exc)
         return self.path
 

@@ -52,12 +52,13 @@ def test_one_path_is_synced_on_the_calling_thread(tmp_path: Path, monkeypatch: p
     assert threads == [threading.current_thread().name]
 
 
-def test_finish_makes_every_file_and_the_directory_durable_before_the_rename(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("set_last", [False, True])
+def test_finish_makes_every_file_durable_before_the_rename_and_the_rename_before_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, set_last: bool
 ) -> None:
     events: list[str] = []
     lock = threading.Lock()
-    real_fsync, real_rename = writing.fsync_path, os.rename
+    real_fsync, real_rename, real_replace = writing.fsync_path, os.rename, os.replace
 
     def fsync_path(path: Path) -> None:
         with lock:
@@ -68,16 +69,41 @@ def test_finish_makes_every_file_and_the_directory_durable_before_the_rename(
         events.append(f"rename {Path(src).relative_to(tmp_path)}")
         real_rename(src, dst)
 
+    def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        events.append(f"replace {Path(src).relative_to(tmp_path)} -> {Path(dst).relative_to(tmp_path)}")
+        real_replace(src, dst)
+
     monkeypatch.setattr(writing, "fsync_path", fsync_path)
     monkeypatch.setattr(os, "rename", rename)
-    staged = writing.stage_checkpoint(tmp_path / "step=1", {"a": 1}, {"w": torch.ones(3)}, {"b": 2})
+    monkeypatch.setattr(os, "replace", replace)
+    (tmp_path / "last").write_text("step=0\n")
+    staged = writing.stage_checkpoint(tmp_path / "step=1", {"a": 1}, {"w": torch.ones(3)}, {"b": 2}, set_last)
     tmp = staged.tmp.name
     written = sorted(p.name for p in staged.tmp.iterdir())
     assert staged.finish() == tmp_path / "step=1"
+    pointer = f".last.tmp-{os.getpid()}"
     rename_at = events.index(f"rename {tmp}")
-    assert sorted(events[:rename_at]) == sorted([f"fsync {tmp}/{name}" for name in written] + [f"fsync {tmp}"])
-    assert events[rename_at + 1 :] == ["fsync ."]  # the rename itself made durable
+    synced_first = [f"fsync {tmp}/{name}" for name in written] + [f"fsync {tmp}"] + [f"fsync {pointer}"] * set_last
+    assert sorted(events[:rename_at]) == sorted(synced_first)
+    # The rename made durable; only then `last` replaced, and that made durable too.
+    assert events[rename_at + 1 :] == ["fsync ."] + [f"replace {pointer} -> last", "fsync ."] * set_last
     assert sorted(p.name for p in (tmp_path / "step=1").iterdir()) == written
+    assert (tmp_path / "last").read_text() == ("step=1\n" if set_last else "step=0\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "step=1"]  # no temporary left
+
+
+def test_a_failed_finish_leaves_last_and_no_temporary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "last").write_text("step=0\n")
+    staged = writing.stage_checkpoint(tmp_path / "step=1", {"a": 1}, {"w": torch.ones(3)}, {"b": 2}, set_last=True)
+
+    def fsync_path(path: Path) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(writing, "fsync_path", fsync_path)
+    with pytest.raises(writing.CheckpointWriteError, match="Input/output error"):
+        staged.finish()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
+    assert (tmp_path / "last").read_text() == "step=0\n"
 
 
 def test_where_no_thread_can_start_the_caller_syncs_every_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
