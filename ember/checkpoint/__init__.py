@@ -32,6 +32,7 @@ from ember.checkpoint.format import (
 )
 from ember.checkpoint.locating import (
     CHECKPOINT_SUBDIR,
+    check_last_replaceable,
     checkpoints_in,
     claim_version,
     describe,
@@ -75,6 +76,7 @@ __all__ = [
     "CheckpointWriteError",
     "StagedCheckpoint",
     "check_complete",
+    "check_last_replaceable",
     "checkpoints_in",
     "claim_version",
     "describe",
