@@ -18,11 +18,15 @@ directory (``--debug`` adds the traceback). The schema and the checks live in `e
 from __future__ import annotations
 
 import argparse
+import atexit
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any
 
 from ember.commands import add_command, add_seed, build
@@ -89,30 +93,96 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Exit codes of the ``ember`` command (docs/cli.md, "Exit codes").
+EXIT_FAILED = 1  # the run failed: a non-finite loss, a checkpoint that could not be written, a bug (traceback)
+EXIT_MISTAKE = 2  # a config, command line, checkpoint or data mistake; nothing was trained
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``ember`` and ``python -m ember``; returns the exit code."""
+    """Entry point of ``ember`` and ``python -m ember``; returns the exit code.
+
+    Expected failures are one ``ember: error:`` line on stderr and a documented exit code, never a
+    traceback (``--debug`` adds it): `EXIT_MISTAKE` for what the user gave (config, command line, a
+    checkpoint that cannot be used, an empty dataloader), `EXIT_FAILED` for a run that failed on its own
+    (a non-finite loss, a checkpoint that could not be written), `EXIT_INTERRUPTED` for Ctrl-C, however
+    many times it is pressed. Without `argv` (the process's own command line) a Ctrl-C once the command
+    has ended is ignored, so the interpreter's exit cannot print a traceback either.
+    """
+    interrupts = _Interrupts({main.__code__, _run_reporting.__code__}, at_exit=argv is None)
+    try:
+        return _run_reporting(argv)
+    finally:
+        interrupts.end()
+
+
+def _run_reporting(argv: Sequence[str] | None) -> int:
+    """Parse, run, and turn each expected failure into its line and exit code (see `main`)."""
     from ember.checkpoint import CheckpointError, CheckpointWriteError
     from ember.errors import UsageError
+    from ember.trainer.data import EmptyDataError
+    from ember.trainer.numerics import NonFiniteLoss
 
-    args, overrides = build_parser().parse_known_args(argv)
+    debug = False
     try:
+        args, overrides = build_parser().parse_known_args(argv)
+        debug = args.debug
         return _main(args, overrides)
-    except (UsageError, CheckpointError) as exc:
-        # A config or checkpoint the user gave that cannot be used: exit 2. A checkpoint that could not be
-        # written (a full disk): exit 1. Either way one line; the previous checkpoint is intact.
-        if args.debug:
+    except (UsageError, CheckpointError, EmptyDataError, NonFiniteLoss) as exc:
+        # A config, checkpoint or data the user gave that cannot be used: exit 2. A checkpoint that could not
+        # be written (a full disk) or a loss that became inf/NaN: exit 1. Either way one line; the previous
+        # checkpoint and `last` are intact (a flagged step is never saved).
+        if debug:
             traceback.print_exc()
-        print(f"ember: error: {exc}", file=sys.stderr)
-        return 1 if isinstance(exc, CheckpointWriteError) else 2
-    except FileNotFoundError as exc:  # a data file the config names (relative paths: docs/cli.md)
-        if args.debug:
+        failed = isinstance(exc, (CheckpointWriteError, NonFiniteLoss))
+        resume = "; `--resume last` continues from the last checkpoint" if isinstance(exc, NonFiniteLoss) else ""
+        print(f"ember: error: {exc}{resume}", file=sys.stderr)
+        return EXIT_FAILED if failed else EXIT_MISTAKE
+    except FileNotFoundError as exc:  # a data file the config names (relative paths: docs/your-data.md)
+        if debug:
             traceback.print_exc()
-        where = f" (from {Path.cwd()}, and beside the config file)" if args.config else ""
-        print(f"ember: error: no such file: {exc.filename or exc}{where}", file=sys.stderr)
-        return 2
+        print(f"ember: error: no such file: {exc.filename or exc} (from {Path.cwd()}, and beside the config file)",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_MISTAKE
     except KeyboardInterrupt:
         print("ember: interrupted; `--resume last` continues from the last checkpoint", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+
+
+class _Interrupts:
+    """Ctrl-C while the ``ember`` command runs.
+
+    A first Ctrl-C raises `KeyboardInterrupt` where the run is (it stops; the loggers close; a checkpoint
+    write in flight completes), and so does a second one during that cleanup (it is cut short; a checkpoint
+    is complete or absent, never half-written, and ``last`` names a complete one). Either ends in `main`:
+    one line, exit 130. A Ctrl-C that arrives while `main` itself is printing that line or returning is
+    ignored (`owners`: the code of `main` and of what reports), and, for the command (`at_exit`), so is
+    every Ctrl-C after it, through the interpreter's exit, where Python would otherwise print a
+    `KeyboardInterrupt` traceback from an exit hook or die of the signal instead of exiting 130. Called
+    in a process that has other uses for Ctrl-C (a test, a notebook), the previous handler is put back
+    when `main` returns; a process that ignores Ctrl-C (a background job) keeps ignoring it.
+    """
+
+    def __init__(self, owners: set[CodeType], at_exit: bool) -> None:
+        self.owners, self.at_exit, self.ended = owners, at_exit, False
+        self.previous: Any = None
+        # Signals reach the main thread only; a handler is only installed where Ctrl-C is not ignored.
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.ended or (frame is not None and frame.f_code in self.owners):
+            return  # the command is already on its way out
+        raise KeyboardInterrupt
+
+    def end(self) -> None:
+        self.ended = True
+        if self.previous is None:
+            return
+        if self.at_exit:  # ignored from here on: a Python handler would be reset to the default at exit
+            atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
+        else:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 def _main(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -7,6 +7,8 @@ The package, by concern (docs/architecture.md):
   loggers and exports too);
 - `writing`: one process or many, sync or staged for a background finish, the ``last`` pointer;
 - `reading`: metadata, ``ember.pt``, tensors, loading weights with errors that say what differs;
+- `bounds`: every size a file claims (a tensor's shape and dtype, a chunk's place in a shard, a record's
+  length, the file's own size) checked against the files before anything is read or allocated;
 - `locating`: run directories (claimed atomically), ``last``, ``best``, what a ``ckpt_path`` names;
 - `dcp_writer`, `dcp_metadata`: torch.distributed.checkpoint's files, written fast for one process and
   read through a restricted unpickler;
@@ -32,6 +34,7 @@ from ember.checkpoint.format import (
 )
 from ember.checkpoint.locating import (
     CHECKPOINT_SUBDIR,
+    check_last_replaceable,
     checkpoints_in,
     claim_version,
     describe,
@@ -75,6 +78,7 @@ __all__ = [
     "CheckpointWriteError",
     "StagedCheckpoint",
     "check_complete",
+    "check_last_replaceable",
     "checkpoints_in",
     "claim_version",
     "describe",

@@ -15,14 +15,14 @@ from __future__ import annotations
 import io
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
-from ember.checkpoint.format import CheckpointError
+from ember.checkpoint.format import DAMAGED, CheckpointError
 
 
 def fsync_path(path: Path) -> None:
@@ -145,12 +145,15 @@ def guarded_open(path: Path, sync: bool) -> Iterator[GuardedFile]:
             os.fsync(raw.fileno())
 
 
-def read_regular(file: Path, what: str, limit: int | None = None) -> bytes:
+def read_regular(
+    file: Path, what: str, limit: int | None = None, check: Callable[[int, int], None] | None = None
+) -> bytes:
     """The bytes of `file`, which must be a regular file; anything else is a `CheckpointError` naming it.
 
     Opened without blocking and checked before reading: a FIFO, device or directory planted under a
-    checkpoint's name is refused instead of hanging or failing with a raw OS error. `what` names the
-    checkpoint (or folder) in messages.
+    checkpoint's name is refused instead of hanging or failing with a raw OS error; so is a file over
+    `limit` bytes, and one that `check` (called with the open descriptor and the size) refuses. `what`
+    names the checkpoint (or folder) in messages.
     """
     try:
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -163,7 +166,12 @@ def read_regular(file: Path, what: str, limit: int | None = None) -> bytes:
         if not stat.S_ISREG(info.st_mode):
             raise CheckpointError(f"{what}: {file.name} is not a regular file")
         if limit is not None and info.st_size > limit:
-            raise CheckpointError(f"{what}: {file.name} is {info.st_size} bytes, more than a checkpoint's {limit}")
+            raise CheckpointError(
+                f"{what}: {file.name} is {info.st_size} bytes, more than its checkpoint can justify ({limit}); "
+                + DAMAGED
+            )
+        if check is not None:
+            check(fd, info.st_size)
         with os.fdopen(os.dup(fd), "rb") as f:
             return f.read()
     except OSError as exc:

@@ -28,6 +28,10 @@ LAST_FILE = "last"
 _TENSOR_MARK = "__ember_tensor__"
 
 
+#: What a file that contradicts itself (a size it cannot hold, a record cut short) is answered with.
+DAMAGED = "the file is damaged or not ember's: load another checkpoint (e.g. the one before it)"
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the file and what is wrong."""
 

@@ -29,7 +29,17 @@ _POINTER_BYTES = 4096
 
 
 def read_pointer(pointer: Path) -> Path:
-    """The checkpoint a ``last`` file names: a sibling directory name, nothing else (no path, no ``..``)."""
+    """The checkpoint a ``last`` file names: a sibling directory name, nothing else (no path, no ``..``).
+
+    ember writes ``last`` as a regular file; a symbolic link there is not followed (it may point anywhere,
+    or nowhere): it is an error here, passed over by a search for ``last``, and replaced (the link, never
+    what it points to) by the next save.
+    """
+    if pointer.is_symlink():
+        raise CheckpointError(
+            f"checkpoint pointer {pointer} is a symbolic link (to {os.readlink(pointer)!s:.200}), not the file "
+            "ember writes; it is not followed, and the next save replaces the link"
+        )
     data = read_regular(pointer, f"checkpoint pointer {pointer}", limit=_POINTER_BYTES)
     try:
         name = data.decode("utf-8").strip()
@@ -51,6 +61,20 @@ def resolve_path(path: Path) -> Path:
             path = read_pointer(path)
     check_complete(path)
     return path
+
+
+def check_last_replaceable(folder: Path) -> None:
+    """Refuse, before a fit trains, a ``last`` in checkpoint folder `folder` that its saves could not replace.
+
+    ``last`` is replaced by a rename, which works over a file or a symbolic link (the link is replaced, not
+    followed) but not over a directory: that would fail at the first save, after an epoch of training.
+    """
+    pointer = folder / LAST_FILE
+    if pointer.is_dir() and not pointer.is_symlink():
+        raise CheckpointError(
+            f"checkpoint pointer {pointer} is a directory, where ember writes the file naming the newest checkpoint; "
+            f"move it away (mv '{pointer}' '{pointer}.moved'), then run again"
+        )
 
 
 def checkpoints_in(directory: Path) -> list[Path]:

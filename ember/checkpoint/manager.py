@@ -83,6 +83,8 @@ class CheckpointManager:
     def request(self, path: Path, weights_only: bool, async_save: bool, set_last: bool, on_done: OnDone | None) -> None:
         if any(r.path == path for r in self.pending) or path == self._in_flight or path.exists():
             raise FileExistsError(f"a checkpoint at {path} exists already; ember never overwrites one")
+        if set_last:
+            ckpt.check_last_replaceable(path.parent)
         self.pending.append(_Request(path, weights_only, async_save, set_last, on_done))
 
     def flush(self, trainer: Trainer, module: TrainingModule) -> None:
@@ -179,10 +181,17 @@ class CheckpointManager:
     ) -> tuple[Path | None, Path | None]:
         """(the checkpoint `ckpt_path` names, the run directory fit continues or None); see
         `ember.checkpoint.resolve_ckpt_path`. `folders` (explicit ``ModelCheckpoint(dirpath=...)``) are
-        searched first, and ``"best"`` prefers `known_best` (this trainer's own record)."""
-        if ckpt_path is None:
-            return None, None
-        path, run_dir, message = ckpt.resolve_ckpt_path(ckpt_path, run_root, stage, list(folders), known_best)
+        searched first, and ``"best"`` prefers `known_best` (this trainer's own record).
+
+        For fit, a ``last`` that the saves could not replace (a directory) in a folder it will save into
+        (`folders`, the continued run's checkpoints) is refused here, before any step
+        (`ember.checkpoint.check_last_replaceable`)."""
+        path, run_dir, message = None, None, None
+        if ckpt_path is not None:
+            path, run_dir, message = ckpt.resolve_ckpt_path(ckpt_path, run_root, stage, list(folders), known_best)
+        if stage == "fit":
+            for folder in [*folders, *([run_dir / ckpt.CHECKPOINT_SUBDIR] if run_dir is not None else [])]:
+                ckpt.check_last_replaceable(folder)
         if message is not None:
             info(trainer, message)
         return path, run_dir

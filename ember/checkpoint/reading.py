@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import io
 import os
-import stat
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -20,15 +19,32 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ember.checkpoint import bounds
 from ember.checkpoint.dcp_metadata import safe_reader, unpickle_metadata
-from ember.checkpoint.files import is_plain_name, read_regular
+from ember.checkpoint.files import read_regular
 from ember.checkpoint.format import META_FILE, CheckpointError, check_meta, join_checked, tensor_names
 from ember.checkpoint.writing import underlying
 
+#: ``.metadata`` may be this many bytes plus `_METADATA_PER_SHARD_BYTE` times the shards' size: it describes
+#: their chunks, each of which costs a shard far more bytes (a whole archive) than its entry here.
+_METADATA_BASE_BYTES = 1 << 20
+_METADATA_PER_SHARD_BYTE = 4
+
+
+def _shard_bytes(path: Path) -> int:
+    """The size of the shard files (``*.distcp``) in checkpoint directory `path`."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return 0
+    return sum(e.stat().st_size for e in entries if e.name.endswith(".distcp") and e.is_file(follow_symlinks=False))
+
 
 def read_metadata(path: Path) -> Any:
-    """The checkpoint's tensor metadata, through the restricted unpickler."""
-    data = read_regular(path / ".metadata", f"checkpoint {path}")
+    """The checkpoint's tensor metadata, through the restricted unpickler; a ``.metadata`` larger than the
+    shards it describes could justify is refused before it is read."""
+    limit = _METADATA_BASE_BYTES + _METADATA_PER_SHARD_BYTE * _shard_bytes(path)
+    data = read_regular(path / ".metadata", f"checkpoint {path}", limit=limit)
     try:
         metadata = unpickle_metadata(data)
     except Exception as exc:
@@ -41,7 +57,10 @@ def read_metadata(path: Path) -> Any:
 
 
 def _load_safe(file: Path) -> Any:
-    data = read_regular(file, f"checkpoint {file.parent}")
+    """``torch.load(weights_only=True)`` of `file`, once it is checked to be the whole archive torch writes
+    (`bounds.check_archive_file`: a file extended, cut or padded is refused before it is read)."""
+    what = f"checkpoint {file.parent}"
+    data = read_regular(file, what, check=lambda fd, size: bounds.check_archive_file(file, fd, size, what))
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -72,11 +91,18 @@ def read_tensors(path: Path, keys: Callable[[str], bool] = lambda _k: True) -> d
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = read_metadata(path)
+    wanted = [
+        k for k, item in metadata.state_dict_metadata.items() if keys(k) and isinstance(item, TensorStorageMetadata)
+    ]
+    bounds.check_tensor_claims(path, metadata, wanted)  # every byte allocated below is a byte on disk
     template: dict[str, Tensor] = {}
-    for key, item in metadata.state_dict_metadata.items():
-        if keys(key) and isinstance(item, TensorStorageMetadata):
+    for key in wanted:
+        item = metadata.state_dict_metadata[key]
+        try:
             template[key] = torch.empty(item.size, dtype=item.properties.dtype)
-    _check_shard_files(path, metadata)
+        except (RuntimeError, MemoryError) as exc:
+            first_line = (str(exc).strip().splitlines() or [""])[0]
+            raise CheckpointError(f"checkpoint {path}: no memory for {key} {tuple(item.size)} ({first_line})") from None
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
@@ -88,23 +114,6 @@ def read_tensors(path: Path, keys: Callable[[str], bool] = lambda _k: True) -> d
             f"checkpoint {path}: reading tensors failed ({type(cause).__name__}: {first_line})"
         ) from None
     return template
-
-
-def _check_shard_files(path: Path, metadata: Any) -> None:
-    """Every tensor's bytes must lie inside an existing regular shard file (catches truncation, deletion and
-    planted FIFOs) in the checkpoint directory itself."""
-    for info in metadata.storage_data.values():
-        name = getattr(info, "relative_path", None)
-        if not isinstance(name, str) or not is_plain_name(name):
-            raise CheckpointError(f"checkpoint {path}: .metadata names a shard outside the checkpoint ({name!r})")
-        try:
-            mode = os.stat(path / name)
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {path} is incomplete: shard {name} is missing") from None
-        if not stat.S_ISREG(mode.st_mode):
-            raise CheckpointError(f"checkpoint {path}: shard {name} is not a regular file")
-        if mode.st_size < info.offset + info.length:
-            raise CheckpointError(f"checkpoint {path}: shard {name} is truncated")
 
 
 def read_module_state(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
@@ -119,7 +128,8 @@ def check_complete(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist (expected a checkpoint directory)")
     metadata = read_metadata(path)
-    _check_shard_files(path, metadata)
+    tensors = [k for k, item in metadata.state_dict_metadata.items() if hasattr(item, "chunks")]
+    bounds.check_tensor_claims(path, metadata, tensors)  # shards present, whole, and as large as claimed
     meta = read_meta(path)
     missing = sorted(set(tensor_names(meta["tensor_skeleton"])) - set(metadata.state_dict_metadata))
     if missing:

@@ -185,7 +185,12 @@ class EpochPlan:
         return self.is_last(batch_idx) or (batch_idx + 1) % self.val_every == 0
 
 
+class EmptyDataError(ValueError):
+    """A dataloader the run needs yields no batches: a mistake in the data's settings, found before any step."""
+
+
 def check_not_empty(stage: str, loaders: Sequence[Any]) -> None:
+    """Raise `EmptyDataError` for the first of `loaders` whose length is 0 (loaders without a length pass)."""
     for i, loader in enumerate(loaders):
         try:
             empty = len(loader) == 0
@@ -193,7 +198,7 @@ def check_not_empty(stage: str, loaders: Sequence[Any]) -> None:
             continue
         if empty:
             which = f"{stage} dataloader" + (f" #{i}" if len(loaders) > 1 else "")
-            raise ValueError(f"the {which} is empty (0 batches); check the dataset size, batch_size and drop_last")
+            raise EmptyDataError(f"the {which} is empty (0 batches); check the dataset size, batch_size and drop_last")
 
 
 def unshuffled(loader: Any) -> Any:
