@@ -322,7 +322,7 @@ class _BatchSetter:
     def data_limit(self, world_size: int) -> int:
         """The most samples one process sees in an epoch (a batch cannot hold more); 2**20 when unknown.
         `EmptyDataError` when the training data set has no samples."""
-        from ember.tuning.scratch import EmptyDataError
+        from ember.trainer.data import EmptyDataError
 
         empty = EmptyDataError(
             "scale_batch_size: the training data set is empty (0 samples), so no batch size can be tried; check the "

@@ -32,10 +32,6 @@ if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
 
 
-class EmptyDataError(ValueError):
-    """The training data a finder was given has no samples: nothing can be measured."""
-
-
 def check_supported(trainer: Trainer, what: str) -> None:
     """Raise for strategies a scratch run cannot undo (FSDP shards the module in place)."""
     from ember.strategies.fsdp import FSDPStrategy
