@@ -63,23 +63,30 @@ def build_parser() -> argparse.ArgumentParser:
         sub = add_command(commands, name, text, f"ember {name}: {text}.", EPILOG)
         add_seed(sub)
         sub.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+        # One name for a checkpoint everywhere: --ckpt (last, best or a path); fit's --resume and the
+        # evaluations' --ckpt-path are other names for it.
         if name == "fit":
             sub.add_argument(
+                "--ckpt",
                 "--resume",
-                metavar="last|PATH",
-                help="continue from a checkpoint; 'last': the newest complete one of this run name",
+                dest="ckpt",
+                metavar="last|best|PATH",
+                help="continue from a checkpoint; 'last': the newest complete one of this run name (its run "
+                "continues); 'best' or a path: its state, in a new run",
             )
         else:
             sub.add_argument(
+                "--ckpt",
                 "--ckpt-path",
-                metavar="best|last|PATH",
+                dest="ckpt",
+                metavar="last|best|PATH",
                 help="load these weights first; 'best'/'last': from the newest run of this run name that has "
                 "checkpoints (--run picks another). Results are written into the checkpoint's run (eval/)",
             )
             sub.add_argument(
                 "--run",
                 metavar="version_N",
-                help="with --ckpt-path best|last: take the checkpoint from this run (runs/<name>/version_N)",
+                help="with --ckpt best|last: take the checkpoint from this run (runs/<name>/version_N)",
             )
     from ember.export.command import add_export_parser
 
@@ -225,10 +232,9 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
 
 #: Options one subcommand has and another lacks: what to write instead, by subcommand kind.
 _OTHER_OPTIONS = {
-    "--resume": "--ckpt-path last (or best, or a checkpoint path) loads a checkpoint's weights",
-    "--ckpt-path": "--resume last (or a checkpoint path) continues training from a checkpoint",
-    "--ckpt": "--ckpt-path (validate/test/predict) or --resume (fit) names a checkpoint",
-    "--run": "--resume last continues the newest run; --resume PATH any checkpoint",
+    "--resume": "--ckpt last (or best, or a checkpoint path) loads a checkpoint's weights",
+    "--ckpt-path": "--ckpt last (or --resume last) continues training from a checkpoint",
+    "--run": "--ckpt last continues the newest run; --ckpt PATH any checkpoint",
 }
 
 
@@ -237,7 +243,7 @@ def check_options(command: str, overrides: list[str]) -> None:
     advice names the option this subcommand has, not an override form that would fail next."""
     from ember.config import ConfigError
 
-    has = {"--resume"} if command == "fit" else {"--ckpt-path", "--run"}
+    has = {"--resume"} if command == "fit" else {"--ckpt-path", "--run"}  # --ckpt: every subcommand
     for item in overrides:
         name = item.split("=", 1)[0]
         if name in _OTHER_OPTIONS and name not in has:
@@ -245,13 +251,13 @@ def check_options(command: str, overrides: list[str]) -> None:
 
 
 def _checkpoint_of_run(trainer: Trainer, module: TrainingModule, command: str, which: str | None, run: str) -> str:
-    """``--run version_N``: the checkpoint ``--ckpt-path best|last`` names inside that run, as a path."""
+    """``--run version_N``: the checkpoint ``--ckpt best|last`` names inside that run, as a path."""
     from ember import checkpoint
     from ember.config import ConfigError
     from ember.trainer.setup import run_name
 
     if which not in ("best", "last"):
-        raise ConfigError("--run: give --ckpt-path best or --ckpt-path last with it (a path names its run already)")
+        raise ConfigError("--run: give --ckpt best or --ckpt last with it (a path names its run already)")
     root = Path(trainer.options.default_root_dir) / (trainer.options.run_name or run_name(module))
     path, _, _ = checkpoint.resolve_ckpt_path(which, root, command, [], run=run)
     assert path is not None  # only fit's 'last' finds nothing without an error
@@ -290,12 +296,12 @@ _STRATEGY_NAMES = {
 def _checkpoint_option(args: argparse.Namespace) -> str | None:
     from ember.config import ConfigError
 
-    option, value = ("--resume", args.resume) if args.command == "fit" else ("--ckpt-path", args.ckpt_path)
+    value = args.ckpt
     if value is not None and value not in ("last", "best") and not Path(value).exists():
-        raise ConfigError(f"{option}: no checkpoint at {value}; give a checkpoint path, 'last' or 'best'")
+        raise ConfigError(f"--ckpt: no checkpoint at {value}; give a checkpoint path, 'last' or 'best'")
     if value is None and args.command != "fit" and not args.print_config:
         print(
-            f"ember: note: no --ckpt-path given; {args.command} uses the weights the module is built with",
+            f"ember: note: no --ckpt given; {args.command} uses the weights the module is built with",
             file=sys.stderr,
         )
     return value

@@ -28,7 +28,14 @@ def add_export_parser(commands: Any) -> None:
     text = "export a checkpoint's module to ONNX, TorchScript, torch.export, safetensors, TorchServe or hf"
     description = "ember export: write a checkpoint's module as an inference artifact and check it."
     sub = add_command(commands, "export", text, description, EXPORT_EPILOG, "the run's YAML config (builds the module)")
-    sub.add_argument("--ckpt", required=True, metavar="last|PATH", help="a checkpoint; 'last': the run's newest")
+    sub.add_argument(
+        "--ckpt",
+        "--ckpt-path",
+        dest="ckpt",
+        required=True,
+        metavar="last|best|PATH",
+        help="a checkpoint; 'last': the run's newest; 'best': the best its ModelCheckpoint recorded",
+    )
     sub.add_argument(
         "--module",
         metavar="CLASS",

@@ -33,8 +33,9 @@ EXAMPLE_ROWS = 4
 
 def find_checkpoint(ckpt: str, config: dict[str, Any] | None, module_class: str | None = None) -> Path:
     """The checkpoint directory ``--ckpt`` names: a path (a checkpoint directory or a ``last`` file), or
-    ``last``: the newest complete checkpoint of the run the config (or the ``--module`` class) names."""
-    if ckpt == "last":
+    ``last``: the newest complete checkpoint of the run the config (or the ``--module`` class) names, or
+    ``best``: the best checkpoint that run's ``ModelCheckpoint(monitor=...)`` recorded."""
+    if ckpt in ("last", "best"):
         if config is not None:
             trainer = config["trainer"]
             name = trainer["run_name"] or run_name(import_target(config["module"]["_target_"]))
@@ -44,8 +45,13 @@ def find_checkpoint(ckpt: str, config: dict[str, Any] | None, module_class: str 
             root, folders = Path("runs") / run_name(_user_class(module_class)), []
         else:
             raise ConfigError(
-                "--ckpt last: give the run's config with -c FILE (it names the run), or a checkpoint path"
+                f"--ckpt {ckpt}: give the run's config with -c FILE (it names the run), or a checkpoint path"
             )
+        if ckpt == "best":
+            try:
+                return checkpoint.find_best(folders, root)
+            except checkpoint.CheckpointError as exc:
+                raise ConfigError(f"--ckpt best: {exc}") from exc
         found = checkpoint.find_last(folders, checkpoint.versions_newest_first(root))
         if found is None:
             raise ConfigError(

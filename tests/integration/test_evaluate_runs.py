@@ -163,19 +163,19 @@ def test_python_api_records_the_evaluation_too(project: Path) -> None:
     ("argv", "message"),
     [
         (["test", "-C", "net.yaml", "--resume", "last"],
-         "ember: error: ember test has no --resume option; --ckpt-path last (or best, or a checkpoint path) loads "
+         "ember: error: ember test has no --resume option; --ckpt last (or best, or a checkpoint path) loads "
          "a checkpoint's weights"),
         (["predict", "-C", "net.yaml", "--resume=last"],
-         "ember: error: ember predict has no --resume option; --ckpt-path last (or best, or a checkpoint path) "
+         "ember: error: ember predict has no --resume option; --ckpt last (or best, or a checkpoint path) "
          "loads a checkpoint's weights"),
         (["fit", "-C", "net.yaml", "--ckpt-path", "last"],
-         "ember: error: ember fit has no --ckpt-path option; --resume last (or a checkpoint path) continues "
+         "ember: error: ember fit has no --ckpt-path option; --ckpt last (or --resume last) continues "
          "training from a checkpoint"),
         (["fit", "-C", "net.yaml", "--run", "version_0"],
-         "ember: error: ember fit has no --run option; --resume last continues the newest run; --resume PATH any "
+         "ember: error: ember fit has no --run option; --ckpt last continues the newest run; --ckpt PATH any "
          "checkpoint"),
         (["test", "-C", "net.yaml", "--run", "version_0"],
-         "ember: error: --run: give --ckpt-path best or --ckpt-path last with it (a path names its run already)"),
+         "ember: error: --run: give --ckpt best or --ckpt last with it (a path names its run already)"),
         (["test", "-C", "net.yaml", "--ckpt-path", "last", "--run", "version_7"],
          "ember: error: --run version_7: no such run under runs/net (runs there: version_0)"),
     ],
@@ -211,3 +211,25 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert (exit_info.value.code, capsys.readouterr().out) == (0, f"ember {package.__version__}\n")
+
+
+def test_one_checkpoint_option_everywhere(project: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--ckpt`` (last, best or a path) on every subcommand; ``--resume`` (fit) and ``--ckpt-path``
+    (validate/test/predict, export) are other names of it and name the same checkpoint."""
+    from ember.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["fit", "--ckpt", "last"], ["fit", "--resume", "last"]):
+        assert parser.parse_known_args(argv)[0].ckpt == "last"
+    for command in ("validate", "test", "predict", "export"):
+        required = ["--format", "onnx", "--out", "x"] if command == "export" else []
+        for option in ("--ckpt", "--ckpt-path"):
+            args, rest = parser.parse_known_args([command, option, "best", *required])
+            assert (args.ckpt, rest) == ("best", [])
+    assert ember(capsys, "fit", "-c", "net.yaml", "trainer.max_epochs=1")[0] == 0
+    chosen = []
+    for option in ("--ckpt", "--ckpt-path"):
+        code, _, err = ember(capsys, "test", "-c", "net.yaml", option, "best")
+        assert code == 0, err
+        chosen.append([line for line in err.splitlines() if "loading the best checkpoint" in line])
+    assert chosen[0] and chosen[0] == chosen[1]

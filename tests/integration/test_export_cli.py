@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ember
+from ember import checkpoint as ckpt_files
 from ember.cli import main
 from examples.digits import Classifier, DigitsData
 
@@ -210,3 +211,16 @@ def test_last_without_a_run_or_without_a_config_is_one_error(
     assert capsys.readouterr().err.strip() == (
         "ember: error: --ckpt last: give the run's config with -c FILE (it names the run), or a checkpoint path"
     )
+
+
+def test_export_best_names_the_checkpoint_its_model_checkpoint_recorded(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--ckpt best`` (or its other name ``--ckpt-path``), as for test/predict: what ModelCheckpoint recorded."""
+    best = ckpt_files.find_best([], run / "classifier")
+    for option in ("--ckpt", "--ckpt-path"):
+        code = main(["export", option, "best", "-c", str(DIGITS), f"trainer.default_root_dir={run}",
+                     "--format", "safetensors", "--out", str(tmp_path / option)])  # fmt: skip
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        assert f" from {best} (checked" in captured.out.strip().splitlines()[-1]
