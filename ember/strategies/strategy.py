@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ember.strategies.precision import Precision
+from ember.strategies.precision import Precision, map_tensors
 
 _NULL_CONTEXT = contextlib.nullcontext()  # stateless and reusable
 
@@ -27,16 +27,16 @@ _PRECISION_STEP_METHODS = ("forward_context", "scale_loss", "unscale_gradients",
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) batch to `device`; other values pass through."""
+    """Move every tensor in a (nested) batch to `device`; other values pass through.
+
+    Every container `map_tensors` knows keeps its type: dicts, any other mapping (a Hugging Face
+    ``BatchEncoding`` stays one), lists, tuples, namedtuples, dataclasses. Any other object with a ``.to``
+    method (a ``PackedSequence``, a graph batch) moves itself with ``obj.to(device)``. The batch given is
+    never changed.
+    """
     if isinstance(batch, Tensor):
         return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: move_to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(move_to_device(v, device) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(v, device) for v in batch)
-    return batch
+    return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=True), lambda obj: obj.to(device))
 
 
 def hook_takes_mesh(module: nn.Module) -> bool | None:
