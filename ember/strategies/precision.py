@@ -12,6 +12,10 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+from collections import UserDict
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -24,17 +28,59 @@ _NULL_CONTEXT = contextlib.nullcontext()  # stateless and reusable: no allocatio
 KNOWN_PRECISIONS = ("32-true", "32", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
-def cast_floating(batch: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating-point tensor in a (nested) batch to `dtype`; integers and others pass through."""
+def map_tensors(batch: Any, fn: Callable[[Tensor], Tensor], to: Callable[[Any], Any] | None = None) -> Any:
+    """`batch` with `fn` applied to every tensor in it; each container is rebuilt as its own type.
+
+    Containers: any `Mapping` (a ``dict``, a ``UserDict`` such as Hugging Face's ``BatchEncoding``, a dict
+    subclass such as ``OrderedDict`` or ``defaultdict``: copied with their attributes, then given the new
+    values; another mapping is rebuilt from a dict, or becomes a dict when its type cannot be built from one),
+    lists, tuples, namedtuples and dataclass instances (``dataclasses.replace`` with every ``__init__`` field
+    replaced: ``__post_init__`` derives the others from the moved ones). The batch
+    itself is never changed. `to`, when given, is called on any other object with a callable ``.to`` method
+    (before the namedtuple and dataclass rules, so a ``PackedSequence`` moves itself); its result replaces
+    the object (None: the object moved in place). Any other value passes through.
+    """
     if isinstance(batch, Tensor):
-        return batch.to(dtype) if batch.is_floating_point() else batch
-    if isinstance(batch, dict):
-        return {k: cast_floating(v, dtype) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(cast_floating(v, dtype) for v in batch))
+        return fn(batch)
+    if type(batch) is dict:  # the common case first
+        return {k: map_tensors(v, fn, to) for k, v in batch.items()}
+    if isinstance(batch, Mapping):
+        return _rebuild_mapping(batch, {k: map_tensors(v, fn, to) for k, v in batch.items()})
+    if to is not None and callable(getattr(batch, "to", None)) and not isinstance(batch, type):
+        moved = to(batch)
+        return batch if moved is None else moved
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(map_tensors(v, fn, to) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(cast_floating(v, dtype) for v in batch)
+        return type(batch)(map_tensors(v, fn, to) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        fields = dataclasses.fields(batch)
+        return dataclasses.replace(
+            batch, **{f.name: map_tensors(getattr(batch, f.name), fn, to) for f in fields if f.init}
+        )
     return batch
+
+
+def _rebuild_mapping(batch: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
+    """A mapping of `batch`'s type holding `values` (see `map_tensors`)."""
+    if isinstance(batch, (dict, UserDict)):  # their copies own their items: filling one leaves `batch` alone
+        copied = copy.copy(batch)
+        for key, value in values.items():
+            copied[key] = value
+        return copied
+    try:
+        rebuilt = type(batch)(values)  # type: ignore[call-arg]
+    except (TypeError, ValueError):
+        return values
+    # A constructor that took the dict for something else would lose the values: keep a dict then.
+    same = isinstance(rebuilt, Mapping) and len(rebuilt) == len(values)
+    return rebuilt if same and all(k in rebuilt and rebuilt[k] is v for k, v in values.items()) else values
+
+
+def cast_floating(batch: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor in a (nested) batch to `dtype` (containers as in `map_tensors`);
+    integers and others pass through."""
+    return map_tensors(batch, lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor)
 
 
 class Precision:

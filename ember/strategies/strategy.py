@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ember.strategies.precision import Precision
+from ember.strategies.precision import Precision, map_tensors
 
 _NULL_CONTEXT = contextlib.nullcontext()  # stateless and reusable
 
@@ -27,16 +27,16 @@ _PRECISION_STEP_METHODS = ("forward_context", "scale_loss", "unscale_gradients",
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) batch to `device`; other values pass through."""
+    """Move every tensor in a (nested) batch to `device`; other values pass through.
+
+    Every container `map_tensors` knows keeps its type: dicts, any other mapping (a Hugging Face
+    ``BatchEncoding`` stays one), lists, tuples, namedtuples, dataclasses. Any other object with a ``.to``
+    method (a ``PackedSequence``, a graph batch) moves itself with ``obj.to(device)``. The batch given is
+    never changed.
+    """
     if isinstance(batch, Tensor):
         return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: move_to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(move_to_device(v, device) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(v, device) for v in batch)
-    return batch
+    return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=True), lambda obj: obj.to(device))
 
 
 def hook_takes_mesh(module: nn.Module) -> bool | None:
@@ -145,20 +145,52 @@ def optimizer_state_by_name(module: nn.Module, optimizer: Optimizer) -> dict[str
 class Strategy:
     """One process, one device. The base for every other strategy."""
 
-    def __init__(self, device: torch.device | str = "cpu", precision: Precision | None = None) -> None:
-        self.root_device = torch.device(device)
+    def __init__(self, device: torch.device | str | None = None, precision: Precision | None = None) -> None:
+        """`device`: where the module and batches go. None (the default) takes the Trainer's ``accelerator``
+        (``cuda:0``, or the CPU); a device given here must agree with ``accelerator`` (see `configure`)."""
+        self.root_device = torch.device("cpu" if device is None else device)
+        #: Who chose ``root_device``: "given" (the constructor), "accelerator" (`configure`) or None (nobody yet).
+        self.device_chosen_by: str | None = None if device is None else "given"
         self.precision = precision or Precision()
         #: DataLoaders yield CPU tensors already: on the CPU in fp32 a batch needs no walk at all.
         self.batches_stay_put = self.root_device.type == "cpu" and self.precision.cast_dtype is None
 
-    def configure(self, precision: Precision, **topology: Any) -> None:
-        """Take the Trainer's precision plugin (``Trainer(precision=...)``; a `Strategy` instance passed to the
-        Trainer gets it here). One process has no topology to take; `ParallelStrategy` takes ``devices``,
-        ``num_nodes``, ``accelerator`` and ``use_distributed_sampler``."""
+    def configure(self, precision: Precision, *, accelerator: str = "auto", **topology: Any) -> None:
+        """Take the Trainer's precision plugin and accelerator (``Trainer(precision=..., accelerator=...)``; a
+        `Strategy` instance passed to the Trainer gets them here). One process has no other topology to take;
+        `ParallelStrategy` takes ``devices``, ``num_nodes``, ``accelerator`` and ``use_distributed_sampler``.
+
+        ``accelerator`` is "cpu", "cuda" or "auto". An instance built without a device goes where it says
+        ("auto": CUDA when available, unless an earlier `configure` chose already); one built with a device
+        keeps it, and raises when ``accelerator`` names another kind of device.
+        """
         if topology:
             raise TypeError(f"{type(self).__name__} runs one process; it takes no {', '.join(sorted(topology))}")
+        self.root_device = self._device_for(accelerator)
         self.precision = precision
         self.batches_stay_put = self.root_device.type == "cpu" and precision.cast_dtype is None
+
+    def _device_for(self, accelerator: str) -> torch.device:
+        """The device `configure` settles on for `accelerator` (see there)."""
+        name = type(self).__name__
+        if self.device_chosen_by == "given":
+            if accelerator in ("cpu", "cuda") and self.root_device.type != accelerator:
+                raise ValueError(
+                    f"strategy={name}(device='{self.root_device}') conflicts with accelerator={accelerator!r}; "
+                    f"build the strategy without a device (it then follows accelerator) or make them agree"
+                )
+            if self.root_device.type == "cuda" and not torch.cuda.is_available():
+                raise RuntimeError(
+                    f"strategy={name}(device='{self.root_device}') but CUDA is not available here; "
+                    "build the strategy with device='cpu' or without a device"
+                )
+            return self.root_device
+        if accelerator == "auto":
+            if self.device_chosen_by == "accelerator":
+                return self.root_device
+            accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device_chosen_by = "accelerator"
+        return torch.device("cuda", 0) if accelerator == "cuda" else torch.device("cpu")
 
     def release_model(self) -> None:
         """Drop the wrapper `setup_module` made, if any (`Trainer.release_run`); one process wraps nothing."""

@@ -275,7 +275,7 @@ def _strategy(
             use_distributed_sampler=use_distributed_sampler,
         )
     else:
-        strategy.configure(plugin)
+        strategy.configure(plugin, accelerator=accelerator)  # a device it was built with must agree
     return strategy
 
 
