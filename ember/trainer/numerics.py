@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ember.strategies.collectives import keep
+
 NONFINITE_MODES = ("error", "skip")
 
 
@@ -66,5 +68,6 @@ def _on_any_rank(bad: Tensor) -> Tensor:
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return bad
     flag = bad.to(torch.int32)
+    keep(flag)  # gloo's worker must never be the one to drop the tensor's last holder (collectives.py)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.bool()
