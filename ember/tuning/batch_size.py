@@ -159,8 +159,16 @@ class _PeakMemory(Callback):
 
 
 def cpu_memory_recorder() -> Any:
-    """A ``torch.profiler.profile`` that records the CPU allocator's allocations and frees (enter it to start)."""
+    """A ``torch.profiler.profile`` that records the CPU allocator's allocations and frees (enter it to start).
+
+    The profiler's library (kineto) prints a ``USDT: ... profiler_start`` / ``profiler_stop`` line to stderr at
+    every start and stop, two per trial, unless its log level says otherwise: that level is raised here, for
+    this process, when the user has not set it (``KINETO_LOG_LEVEL``)."""
+    import os
+
     from torch.profiler import ProfilerActivity, profile
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # above every level kineto logs at: quiet
 
     return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
 

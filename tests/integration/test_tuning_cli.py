@@ -63,6 +63,19 @@ def test_tune_batch_size_prints_the_override(
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*.ckpt"))
 
 
+def test_tune_batch_size_prints_nothing_of_the_profilers_own(tmp_path: Path) -> None:
+    """Each trial starts and stops torch's profiler; its library (kineto) printed a ``USDT: ... profiler_start``
+    line to stderr at each (34 lines for the digits example). A fresh process: kineto reads its log level once."""
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    args = ["tune", "batch-size", "-c", str(DIGITS), "--memory-budget", "400KB", "--steps-per-trial", "2", *QUIET]
+    done = subprocess.run([sys.executable, "-m", "ember", *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "use it with data.batch_size=" in done.stdout
+    assert done.stderr == "", done.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
