@@ -26,6 +26,7 @@ from ember import checkpoint as ckpt
 from ember import stages
 from ember.callbacks.callback_list import CallbackList
 from ember.callbacks.model_checkpoint import ModelCheckpoint
+from ember.loggers.guard import LoggerGuard
 from ember.loggers.logger import Logger
 from ember.modules.datamodule import DataModule
 from ember.modules.module import TrainingModule
@@ -47,6 +48,8 @@ class RunState:
     #: Lightning); processes other than 0 drop them when their first run starts.
     loggers: list[Logger] = field(default_factory=list)
     loggers_resolved: bool = False
+    #: Every call into the loggers goes through it: a failing or hanging logger never blocks the run.
+    logger_guard: LoggerGuard = field(default_factory=LoggerGuard)
     #: The running entry point's name (`ember.stages`); None between runs.
     stage: str | None = None
     #: The run's callbacks, the module first (`CallbackList`).
@@ -133,6 +136,7 @@ def prepare(
         state.run_dir = trainer.strategy.broadcast(claimed[0] if claimed is not None else None)
     for logger in trainer.loggers:
         logger.attach(trainer.run_dir)
+    state.logger_guard.attach(trainer.loggers, trainer.run_dir, options.logger_timeout_s)
     return hooks, claimed
 
 
@@ -184,8 +188,7 @@ def finish(
     """Undo what `start` did, close the loggers, run ``teardown``; release an unused run directory (one
     process only: in a job, another process may still write into it, e.g. ``ember predict``'s outputs)."""
     trainer.run_state.preemption.restore()
-    for logger in trainer.loggers:
-        logger.finalize(status)
+    trainer.run_state.logger_guard.finalize(status)  # waits at most logger_timeout_s; says what was not sent
     trainer.hooks.teardown(stage.name)
     if datamodule is not None:
         datamodule.teardown(stage.name)
