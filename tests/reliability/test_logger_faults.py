@@ -294,3 +294,45 @@ def test_tensorboard_on_a_read_only_disk_and_csv_on_a_full_one_never_stop_traini
         rows = list(csv.DictReader(f))
     written = {(k, int(r["step"]), float(v)) for r in rows for k, v in r.items() if k != "step" and v != ""}
     assert written == recorder.values
+
+
+def test_a_wandb_backend_that_raises_mid_run_gets_every_row_once_when_it_answers_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("wandb", reason="WandbLogger needs wandb")
+    from ember.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setattr(guard_module, "RETRY_EVERY_S", 0.05)
+    logger, recorder = WandbLogger(project="faults"), Recorder()
+    delivered: list[dict[str, Any]] = []
+    broken = {"now": False}
+
+    def break_backend() -> None:  # the fault is in the backend object: the wandb run's own log raises
+        run = logger.experiment
+        original = run.log
+
+        def log(row: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+            if broken["now"]:
+                raise ConnectionError("wandb backend unavailable")
+            delivered.append(dict(row))
+            original(row, *args, **kwargs)
+
+        monkeypatch.setattr(run, "log", log)
+        broken["now"] = True
+
+    def heal() -> None:
+        broken["now"] = False
+        time.sleep(0.5)  # a few retries: the kept rows go out while training goes on
+
+    trainer, _ = fit(tmp_path, [logger, recorder], Pace(0.0, {0: break_backend, 2: heal}), logger_timeout_s=2.0)
+    assert trainer.global_step == EPOCHS * 4
+    err = capfd.readouterr().err
+    assert err.count("WandbLogger is failing (ConnectionError: wandb backend unavailable)") == 1, err
+    assert "everything else was sent once it answered again" in err
+    rows = {(k, int(row["trainer/global_step"]), float(v)) for row in delivered for k, v in row.items()}
+    after_break = {v for v in recorder.values if v[1] > 4}  # what was logged once the backend broke (epoch 0 end)
+    assert after_break <= {r for r in rows if r[0] != "trainer/global_step"}
+    steps = [int(row["trainer/global_step"]) for row in delivered if "train/loss" in row]
+    assert len(steps) == len(set(steps))  # each row once: W&B writes each call at once, nothing is sent twice
