@@ -105,8 +105,7 @@ class CheckpointManager:
         for req in requests:
             self.wait()
             if trainer.is_global_zero:
-                for logger in trainer.loggers:  # the logs on disk match the checkpoint
-                    logger.save()
+                trainer.run_state.logger_guard.save(wait=True)  # the logs on disk match the checkpoint
             req.on_done = _telling_loggers(trainer, req.on_done)  # e.g. W&B uploads it as an artifact
             staging = self._staging if req.async_save else None
             snapshot = registry.gather(trainer, module, req.weights_only, copy=req.async_save, staging=staging)
@@ -243,8 +242,7 @@ def _telling_loggers(trainer: Trainer, on_done: OnDone | None) -> OnDone:
     """`on_done`, preceded by ``logger.after_save_checkpoint(path)`` for every logger (rank zero, main thread)."""
 
     def done(path: Path) -> None:
-        for logger in trainer.loggers:
-            logger.after_save_checkpoint(path)
+        trainer.run_state.logger_guard.after_save_checkpoint(path)
         if on_done is not None:
             on_done(path)
 

@@ -45,6 +45,10 @@ class Logger:
     #: can show histograms take it as a constructor argument; the trainer then adds the
     #: `ember.callbacks.ParameterHistograms` callback that collects them.
     log_histograms_every_n_steps: int | None = None
+    #: Whether the logger holds values until `save` writes them (CSV, TensorBoard, MLflow) rather than sending each
+    #: call at once (W&B). The trainer's logger guard (`ember.loggers.guard`) counts a value as delivered only once
+    #: a `save` after it returned, and keeps it for a replay until then.
+    holds_until_save: bool = True
 
     def __init__(self, save_dir: str | os.PathLike[str] | None = None) -> None:
         self._save_dir = Path(save_dir) if save_dir is not None else None
@@ -69,7 +73,12 @@ class Logger:
         return self
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Write metrics logged at optimizer step `step`."""
+        """Write metrics logged at optimizer step `step`.
+
+        The trainer calls a logger from a thread of its own (`ember.loggers.guard`), one call at a time and in
+        order; a call that raises must leave what the logger was given before it still queued (a later `save`
+        writes it), and must not have taken the values it was called with.
+        """
         raise NotImplementedError
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
@@ -86,6 +95,13 @@ class Logger:
 
     def finalize(self, status: str) -> None:
         """Close the run; `status` is "success", "failed" or "interrupted"."""
+
+    def rebuild_kwargs(self) -> dict[str, Any] | None:
+        """Keywords that build a logger of this class writing to the same place (the same run), so values it
+        could not send during a run can be sent later (``python -m ember.loggers.replay``); None when the class
+        cannot be rebuilt from keywords. The default passes ``save_dir``; override it when the constructor needs
+        more (or other) arguments."""
+        return {"save_dir": str(self._save_dir)} if self._save_dir is not None else None
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to continue this logger's run (e.g. a run id)."""

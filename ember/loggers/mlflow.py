@@ -10,6 +10,7 @@ import json
 import os
 import posixpath
 import re
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -95,6 +96,7 @@ class MLflowLogger(Logger):
         self._resumed_at: int | None = None
         self._best: str | None = None
         self._run_dir: Path | None = None
+        self._starting = threading.Lock()  # the trainer's logger thread and a hook's `experiment` start one run
 
     def attach(self, run_dir: Path) -> None:
         """Without ``save_dir``, the local store goes to ``<run_dir>/mlflow``; names default from `run_dir`."""
@@ -126,8 +128,9 @@ class MLflowLogger(Logger):
     @property
     def experiment(self) -> MlflowClient:
         """The ``MlflowClient`` of the tracking URI; the MLflow run exists once this returns."""
-        if not self._started:
-            self._start()
+        with self._starting:
+            if not self._started:
+                self._start()
         assert self._client is not None
         return self._client
 
@@ -230,9 +233,10 @@ class MLflowLogger(Logger):
         if not self._queued:
             return
         client, run_id = self.experiment, self._require_run()
-        queued, self._queued = self._queued, []
-        for chunk in chunks(queued, MAX_METRICS_PER_BATCH):
+        while self._queued:  # what a failed call did not send stays queued for the next save
+            chunk = self._queued[:MAX_METRICS_PER_BATCH]
             client.log_batch(run_id, metrics=chunk)
+            del self._queued[: len(chunk)]
 
     def finalize(self, status: str) -> None:
         """Send what is queued and end the MLflow run (FINISHED, FAILED or KILLED); a later run continues it."""
@@ -242,6 +246,19 @@ class MLflowLogger(Logger):
         assert self._client is not None and self._run_id is not None
         self._client.set_terminated(self._run_id, RUN_STATUS.get(status, "FAILED"))
         self._started = False  # a later validate/test on the same trainer reopens the run
+
+    def rebuild_kwargs(self) -> dict[str, Any] | None:
+        """This logger's store and run (created by the replay when it was never created)."""
+        return {
+            "experiment_name": self.experiment_name or (self._run_dir.parent.name if self._run_dir else "ember"),
+            "run_name": self._default_run_name(),
+            "tracking_uri": self.tracking_uri,
+            "save_dir": str(self.log_dir),
+            "tags": {**self._default_tags(), **self.tags},
+            "run_id": self._run_id,
+            "artifact_location": self.artifact_location,
+            "log_checkpoints": self.log_checkpoints,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """The run id, experiment id and tracking URI, so a resumed fit continues the same run."""

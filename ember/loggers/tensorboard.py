@@ -105,11 +105,11 @@ class TensorBoardLogger(Logger):
             self._write_queued()
 
     def _write_queued(self) -> None:
-        queued, self._queued = self._queued, []
         self._next_write = time.monotonic() + self.flush_secs
-        if not queued:
+        if not self._queued:
             return
-        events = self._event_file()
+        events = self._event_file()  # raises on a read-only folder: the scalars stay queued
+        queued, self._queued = self._queued, []
         for step, wall_time, metrics in queued:
             events.add_scalars(metrics, step, wall_time)
             self._metric_names.update(dict.fromkeys(metrics))

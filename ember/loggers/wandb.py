@@ -9,6 +9,7 @@ import configparser
 import netrc
 import os
 import socket
+import threading
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,8 @@ class WandbLogger(Logger):
     ``settings``).
     """
 
+    holds_until_save = False  # each call goes to wandb at once
+
     def __init__(
         self,
         project: str | None = None,
@@ -89,6 +92,7 @@ class WandbLogger(Logger):
         self._run: Any = None
         self._config: dict[str, Any] = {}
         self._resolved_mode: str | None = None
+        self._starting = threading.Lock()  # the trainer's logger thread and a hook's `experiment` start one run
 
     @property
     def run_id(self) -> str | None:
@@ -105,8 +109,9 @@ class WandbLogger(Logger):
     @property
     def experiment(self) -> Any:
         """The ``wandb`` run (started on first use)."""
-        if self._run is None:
-            self._run = self._start()
+        with self._starting:
+            if self._run is None:
+                self._run = self._start()
         return self._run
 
     def _start(self) -> Any:
@@ -173,6 +178,20 @@ class WandbLogger(Logger):
         if self._run is not None:
             self._run.finish(exit_code=0 if status == "success" else 1)
             self._run = None
+
+    def rebuild_kwargs(self) -> dict[str, Any] | None:
+        """The same W&B run (its id), project and mode."""
+        return {
+            "project": self.project,
+            "name": self.name,
+            "entity": self.entity,
+            "tags": self.tags,
+            "group": self.group,
+            "notes": self.notes,
+            "mode": self._resolved_mode or self.mode,
+            "save_dir": str(self._save_dir) if self._save_dir is not None else None,
+            "id": self._run_id,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """The run id and project, so a resumed fit continues the same run; never credentials."""

@@ -77,6 +77,7 @@ class TrainerOptions:
     profiler: Any = None  # "simple", "pytorch", a ProfilerConfig, a Profiler, or a mapping
     tune_cpu_allocator: bool = True  # glibc mmap/trim thresholds when a run starts (ember/strategies/allocator.py)
     lightning_rng: bool = False  # validation in fit draws from the global RNG as Lightning's does (port checks)
+    logger_timeout_s: float = 5.0  # the longest a logger call may take before ember stops waiting for it
 
     @property
     def max_time_s(self) -> float | None:
@@ -156,6 +157,9 @@ def check(options: TrainerOptions) -> None:
     check_val_check_interval(options.val_check_interval)
     if not isinstance(options.tune_cpu_allocator, bool):
         raise TypeError(f"tune_cpu_allocator={options.tune_cpu_allocator!r} must be True or False")
+    timeout = options.logger_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"logger_timeout_s={timeout!r} must be a number of seconds > 0 (default 5)")
     if not isinstance(options.lightning_rng, bool):
         raise TypeError(f"lightning_rng={options.lightning_rng!r} must be True or False")
     clip = options.gradient_clip_val

@@ -80,15 +80,13 @@ class Reporter:
         floats = to_floats(metrics)
         self.logged.update(floats)
         floats["epoch"] = trainer.progress.epoch
-        for logger in trainer.loggers:
-            logger.log_metrics(floats, trainer.progress.global_step)
+        trainer.run_state.logger_guard.log_metrics(floats, trainer.progress.global_step)  # never waits
 
     def log_epoch_metrics(self, metrics: dict[str, Any]) -> None:
         """Keep `metrics` as the latest epoch aggregates, log them, and let the loggers save."""
         self.epoch_metrics.update(metrics)
         self.log_metrics(metrics)
-        for logger in self.trainer.loggers:
-            logger.save()
+        self.trainer.run_state.logger_guard.save()
 
     def finish_eval(self, metrics: dict[str, Any], num_loaders: int) -> list[dict[str, float]]:
         """Store an evaluation's epoch metrics; split them per dataloader (none for the sanity check): with several

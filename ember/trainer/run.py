@@ -27,6 +27,7 @@ from ember import stages
 from ember.callbacks.callback_list import CallbackList
 from ember.callbacks.model_checkpoint import ModelCheckpoint
 from ember.checkpoint.run_lock import RunLockedError
+from ember.loggers.guard import LoggerGuard
 from ember.loggers.logger import Logger
 from ember.modules.datamodule import DataModule
 from ember.modules.module import TrainingModule
@@ -48,6 +49,8 @@ class RunState:
     #: Lightning); processes other than 0 drop them when their first run starts.
     loggers: list[Logger] = field(default_factory=list)
     loggers_resolved: bool = False
+    #: Every call into the loggers goes through it: a failing or hanging logger never blocks the run.
+    logger_guard: LoggerGuard = field(default_factory=LoggerGuard)
     #: The running entry point's name (`ember.stages`); None between runs.
     stage: str | None = None
     #: The run's callbacks, the module first (`CallbackList`).
@@ -139,6 +142,7 @@ def prepare(
     try:
         for logger in trainer.loggers:
             logger.attach(trainer.run_dir)
+        state.logger_guard.attach(trainer.loggers, trainer.run_dir, options.logger_timeout_s)
     except BaseException:
         trainer.checkpoints.release_run()  # `finish` will not run: nothing of this run started
         raise
@@ -212,8 +216,7 @@ def finish(
     run's writer lock is let go last, whatever failed before."""
     try:
         trainer.run_state.preemption.restore()
-        for logger in trainer.loggers:
-            logger.finalize(status)
+        trainer.run_state.logger_guard.finalize(status)  # waits at most logger_timeout_s; says what was not sent
         trainer.hooks.teardown(stage.name)
         if datamodule is not None:
             datamodule.teardown(stage.name)

@@ -112,5 +112,4 @@ def record_hyperparameters(trainer: Trainer, module: TrainingModule, resumed: bo
     hparams = dict(module.hparams) if module.hparams_to_loggers else {}
     params = trainer.run_config if trainer.run_config is not None else hparams
     if params:
-        for logger in trainer.loggers:
-            logger.log_hyperparams(params)
+        trainer.run_state.logger_guard.log_hyperparams(params)

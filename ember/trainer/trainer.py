@@ -119,6 +119,7 @@ class Trainer:
         profiler: str | ProfilerConfig | Profiler | dict[str, Any] | None = None,
         tune_cpu_allocator: bool = True,
         lightning_rng: bool = False,
+        logger_timeout_s: float = 5.0,
     ) -> None:
         #: The options as checked and normalised (fast_dev_run applied, defaults resolved); frozen.
         self.options = options.build({name: value for name, value in locals().items() if name != "self"})
