@@ -10,6 +10,7 @@
     ember tune lr -c configs/digits.yaml
     ember sweep -c configs/digits.yaml --space configs/sweeps/digits.yaml --trials 12 --workers 2
     ember port model.py
+    ember runs
 
 Every config mistake is found before anything is built: one line on stderr, exit code 2, no run
 directory (``--debug`` adds the traceback). The schema and the checks live in `ember.config`.
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ember.port import add_parser as add_port_parser  # `ember port` lives in ember/port.py
 
     add_port_parser(commands)
+    from ember.runs import add_parser as add_runs_parser  # `ember runs` lives in ember/runs.py
+
+    add_runs_parser(commands)
     return parser
 
 
@@ -203,6 +207,10 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
         from ember.port import run as run_port
 
         return run_port(args, overrides)
+    if args.command == "runs":
+        from ember.runs import run as run_runs
+
+        return run_runs(args, overrides)
     if args.command in ("tune", "sweep"):
         from ember.tuning.cli import run as run_tuning
 

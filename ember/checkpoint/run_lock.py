@@ -200,6 +200,15 @@ def _judge(path: Path, timeout: float) -> tuple[bool, Holder | None, float | Non
     return age is not None and age <= timeout, holder, age
 
 
+def is_held(run_dir: Path) -> bool | None:
+    """Whether a live process holds `run_dir`'s writer lock; None when the run has no lock file at all."""
+    claims = _claims(run_dir)
+    if not claims:
+        return None
+    timeout = timeout_s()
+    return any(_judge(path, timeout)[0] for path in claims.values())
+
+
 def _refuse_if_live(run_dir: Path, path: Path, timeout: float) -> None:
     live, holder, age = _judge(path, timeout)
     if not live:

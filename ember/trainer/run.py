@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from ember import checkpoint as ckpt
 from ember import stages
 from ember.callbacks.callback_list import CallbackList
 from ember.callbacks.model_checkpoint import ModelCheckpoint
+from ember.checkpoint import run_status
 from ember.checkpoint.run_lock import RunLockedError
 from ember.loggers.guard import LoggerGuard
 from ember.loggers.logger import Logger
@@ -61,6 +63,8 @@ class RunState:
     model: nn.Module | None = None
     #: The checkpoint this run loaded (``ckpt_path`` resolved).
     ckpt: Path | None = None
+    #: What ``status.json`` calls the runs of this trainer (`label_command`); None: the entry point's name.
+    command: str | None = None
     preemption: signals.PreemptionFlag = field(default_factory=lambda: signals.PreemptionFlag([]))
 
     def release_module(self) -> None:
@@ -93,8 +97,9 @@ def running(
     module.trainer = trainer
     if datamodule is not None:
         datamodule.attach(trainer)
-    status = "failed"
+    status, error, owned = "failed", None, False
     try:
+        owned = begin_status(trainer, stage, claimed)
         start(trainer, stage, module, datamodule)
         with torch.autograd.detect_anomaly() if trainer.options.detect_anomaly else contextlib.nullcontext():
             yield
@@ -102,10 +107,13 @@ def running(
         status = "success"
     except BaseException as exc:
         status = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else "failed"
+        error = exc
         hooks.on_exception(exc)
         trainer.checkpoints.finish_quietly()
         raise
     finally:
+        if owned:
+            end_status(trainer, stage, error)
         finish(trainer, stage, datamodule, status, claimed)
 
 
@@ -225,9 +233,59 @@ def finish(
     finally:
         trainer.checkpoints.release_run()
     if claimed is not None and trainer.world_size == 1:
+        run_status.discard_if_alone(claimed[0])
         ckpt.release_if_empty(*claimed)
     if trainer.profiler is not None:
         trainer.profiler.end(trainer)
+
+
+def label_command(trainer: Trainer, command: str) -> None:
+    """Name what `trainer`'s runs are in their ``status.json`` (``"tune lr"``, ``"sweep trial"``): a trainer
+    built for one purpose by ember's own tools."""
+    trainer.run_state.command = command
+
+
+def begin_status(trainer: Trainer, stage: stages.Stage, claimed: tuple[Path, Path] | None) -> bool:
+    """Record the run's start in ``<run dir>/status.json`` when it owns the directory (a fit, or a run that claimed
+    a new version; an evaluation writing into a fit's run leaves that run's record alone). Process 0 only;
+    returns whether it recorded."""
+    if not trainer.is_global_zero or (stage is not stages.FIT and claimed is None):
+        return False
+    run_status.begin(trainer.run_dir, trainer.run_state.command or stage.name)
+    return True
+
+
+def end_status(trainer: Trainer, stage: stages.Stage, error: BaseException | None) -> None:
+    """Record how the run ended (`ember.checkpoint.run_status`): ``preempted`` (a preemption signal), ``stopped``
+    (Ctrl-C, ``max_time``, a callback's ``should_stop``), ``failed`` (an exception), else ``finished``. A failure
+    to write it is a warning: the run's own outcome stands."""
+    details: dict[str, object] = {}
+    if isinstance(error, signals.Preempted):
+        status, details["reason"] = "preempted", signals.signal_name(error.signum)
+    elif isinstance(error, (KeyboardInterrupt, SystemExit)):
+        status, details["reason"] = "stopped", "interrupted"
+    elif error is not None:
+        status, details["error"] = "failed", (f"{type(error).__name__}: {error}".splitlines() or [""])[0][:300]
+    elif stage is stages.FIT and trainer.stop_reason in ("max_time", "should_stop"):
+        status, details["reason"] = "stopped", _stopped_by(trainer)
+    else:
+        status = "finished"
+        if stage is stages.FIT and trainer.stop_reason is not None:
+            details["reason"] = trainer.stop_reason
+    if stage is stages.FIT:
+        details.update(epoch=trainer.current_epoch, global_step=trainer.global_step)
+    try:
+        run_status.end(trainer.run_dir, status, **details)
+    except OSError as exc:
+        warnings.warn(f"could not record the run's status in {trainer.run_dir}: {exc}", RuntimeWarning, stacklevel=2)
+
+
+def _stopped_by(trainer: Trainer) -> str:
+    """``max_time``, or the callback that asked to stop (one with a ``stopping_reason``), else ``should_stop``."""
+    if trainer.stop_reason == "max_time":
+        return "max_time"
+    asked = [type(cb).__name__ for cb in trainer.callbacks if isinstance(getattr(cb, "stopping_reason", None), str)]
+    return asked[0] if asked else "should_stop"
 
 
 def record_evaluation(trainer: Trainer, stage: stages.Stage, results: list[dict[str, float]]) -> Path | None:

@@ -270,6 +270,7 @@ def _run_trial(
     budget: int | None,
     snapshot: Any,
 ) -> Trial:
+    from ember.trainer.run import label_command
     from ember.tuning.scratch import CaptureInitialised, release, scratch_trainer
 
     batches.set(size)
@@ -278,6 +279,7 @@ def _run_trial(
     if snapshot.lazy:  # only then: the hook sends steps down the general path
         callbacks.insert(0, CaptureInitialised(snapshot))
     scratch = scratch_trainer(trainer, max_steps=steps, callbacks=callbacks, logger=False, enable_progress_bar=False)
+    label_command(scratch, "tune batch-size")  # its run directory's status.json says what made it
     out_of_memory = False
     try:
         scratch.fit(module, batches.loaders(), datamodule=batches.datamodule)

@@ -208,6 +208,7 @@ def lr_find(
     docstring. Use the result with ``module.hparams.lr = result.suggestion`` (or
     however the module reads its learning rate) before `trainer.fit`.
     """
+    from ember.trainer.run import label_command
     from ember.tuning.scratch import (
         CaptureInitialised,
         KeepLoaderGenerators,
@@ -227,6 +228,7 @@ def lr_find(
     snapshot = Snapshot.take(module, datamodule, train_dataloaders)
     callbacks: list[Callback] = [CaptureInitialised(snapshot), test, KeepLoaderGenerators(snapshot)]
     scratch = scratch_trainer(trainer, max_steps=num_steps, callbacks=callbacks, logger=logger)
+    label_command(scratch, "tune lr")  # its run directory's status.json says what made it
     scratch.run_config = trainer.run_config
     try:
         scratch.fit(module, train_dataloaders, datamodule=datamodule)

@@ -73,6 +73,7 @@ def run_trial(study: Any, trial: Any, spec: dict[str, Any], space: SweepSpace, w
 
     from ember import config
     from ember.commands import build
+    from ember.trainer.run import label_command
     from ember.tuning.space import override
 
     started = time.monotonic()
@@ -89,6 +90,7 @@ def run_trial(study: Any, trial: Any, spec: dict[str, Any], space: SweepSpace, w
         resolved = config.resolve(loaded)
         config.check(loaded, resolved, "fit")
         trainer, module, data = build(resolved)
+        label_command(trainer, "sweep trial")
         if trainer.strategy.needs_launch():
             raise config.ConfigError(
                 "sweep trials run in one process each: set trainer.devices=1 (--workers runs trials side by side)"

@@ -103,7 +103,7 @@ def test_the_first_hour(clone: tuple[Path, Path]) -> None:
     assert sorted(p.name for p in (checkout / "runs" / "classifier").iterdir()) == ["version_0"]
     layout = sorted(str(p.relative_to(run)) for p in run.iterdir())
     assert layout == ["checkpoints", "config-resume-1.yaml", "config-resume-2.yaml", "config.yaml", "eval",
-                      "hparams.yaml", "metrics.csv", "tensorboard"]  # fmt: skip
+                      "hparams.yaml", "metrics.csv", "status.json", "tensorboard"]  # fmt: skip
     evaluated = sorted({f"test-{best}.json", "test-epoch=2-step=57.json"})
     assert sorted(p.name for p in (run / "eval").iterdir()) == evaluated
     assert (run / "checkpoints" / "last").read_text().strip() == "epoch=3-step=76"
