@@ -355,12 +355,16 @@ def run(command: str, trainer: Trainer, module: TrainingModule, data: DataModule
     shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
     if not shown:
         finished = command == "fit" and trainer.ckpt_path is not None and not trainer.logged_metrics
-        shown = "nothing to do, the run had finished already" if finished else "no metrics"
+        shown = _NOTHING_TO_DO if finished else "no metrics"
     elapsed = time.perf_counter() - start
     if trainer.is_global_zero:
         print(f"{command} done in {elapsed:.1f} s ({where}): {shown}; run dir {trainer.run_dir}")
-        if command == "fit":
+        if command == "fit" and shown != _NOTHING_TO_DO:
             print(describe_stop(trainer))
+
+
+#: The summary of a fit that resumed a finished run (no stop line follows it).
+_NOTHING_TO_DO = "nothing to do, the run had finished already"
 
 
 def describe_stop(trainer: Trainer) -> str:
@@ -378,8 +382,8 @@ def describe_stop(trainer: Trainer) -> str:
         why = f"max_steps={trainer.max_steps} reached"
     elif reason == "max_time":
         why = f"max_time ({trainer.options.max_time_s:g} s) reached"
-    else:  # a resume of a finished run: nothing ran
-        why = "nothing ran"
+    else:
+        why = "the fit has not run"
     best = next((cb for cb in trainer.checkpoint_callbacks if cb.monitor and cb.best_model_path), None)
     if best is None:
         return f"stopped: {why}"

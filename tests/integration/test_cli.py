@@ -118,8 +118,9 @@ def test_fit_digits_with_overrides_saves_config_and_metrics_and_the_saved_config
     assert saved["trainer"]["log_every_n_steps"] == 50  # every schema default is written out
     rows = val_rows(run_dir)
     assert [(int(r["epoch"]), int(r["step"])) for r in rows] == [(0, 3), (1, 6)]
-    last = out.strip().splitlines()[-1]
+    last, stop = out.strip().splitlines()[-2:]  # the summary, then why the fit stopped
     assert last.startswith("fit done in ") and "(2 epochs, 6 steps)" in last
+    assert stop.startswith("stopped: max_epochs=2 reached")
     assert f"val/acc {float(rows[-1]['val/acc']):.4f}" in last and str(Path("runs/classifier/version_0")) in last
 
     # the saved config alone repeats the run: same metrics, bit for bit, in the next version (in-process:
