@@ -150,7 +150,7 @@ def prepare(
     try:
         for logger in trainer.loggers:
             logger.attach(trainer.run_dir)
-        state.logger_guard.attach(trainer.loggers, trainer.run_dir, options.logger_timeout_s)
+        state.logger_guard.attach(trainer.loggers, state.run_dir, options.logger_timeout_s)
     except BaseException:
         trainer.checkpoints.release_run()  # `finish` will not run: nothing of this run started
         raise

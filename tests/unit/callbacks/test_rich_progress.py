@@ -114,9 +114,15 @@ class RankOne(Strategy):
     def global_rank(self) -> int:
         return 1
 
+    claimed = False
+
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """What process 0 would send: the run directory it claimed."""
-        return Path("runs/net/version_0") if obj is None else obj
+        """What process 0 would send: first the run directory it claimed, then what it has (no refusal of the
+        run's writer lock: None)."""
+        if obj is None and not self.claimed:
+            self.claimed = True
+            return Path("runs/net/version_0")
+        return obj
 
 
 def test_nothing_from_other_ranks(capsys: pytest.CaptureFixture[str]) -> None:
