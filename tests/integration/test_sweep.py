@@ -103,6 +103,24 @@ def test_a_sweep_refuses_another_space_in_its_directory(files: tuple[Path, Path]
         run_sweep([str(base)], [], str(tmp_path / "typo.yaml"), trials=3, directory=tmp_path / "t", verbose=False)
 
 
+#: A callback each trial of the SIGKILL test runs, so that a trial takes long enough (0.3 s an epoch) for the
+#: test to see one running beside a finished one: a digits trial of 3 short epochs takes 0.3 s in all once its
+#: worker has started, and the test, looking every 50 ms, could miss the moment on a quiet machine.
+PACE = """\
+import time
+
+import ember
+
+
+class Pace(ember.Callback):
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_epoch_end(self, trainer, module):
+        time.sleep(self.seconds)
+"""
+
+
 @pytest.mark.slow  # two sweeps of 2 workers each
 def test_sigkill_mid_trial_then_the_same_command_finishes_without_counting_twice(
     files: tuple[Path, Path], tmp_path: Path, capsys: Any
@@ -110,6 +128,10 @@ def test_sigkill_mid_trial_then_the_same_command_finishes_without_counting_twice
     """2 workers, 6 trials; SIGKILL the sweep (only the sweep: its workers must die with it) while a trial runs
     and another has finished; the same command then completes the study, and its outputs are checked."""
     base, space = files
+    (tmp_path / "pace.py").write_text(PACE, encoding="utf-8")  # beside the config: its trials import it
+    paced = BASE.replace("  callbacks:\n", "  callbacks:\n    - _target_: pace.Pace\n      seconds: 0.3\n")
+    assert paced != BASE
+    base.write_text(paced, encoding="utf-8")
     directory, n = tmp_path / "sweep", 6
     command = sweep_command(base, space, n, directory)
     log = open(tmp_path / "first.log", "wb")  # noqa: SIM115
