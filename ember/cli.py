@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ember.tuning.cli import add_parsers  # `ember tune` and `ember sweep` live in ember/tuning/
 
     add_parsers(commands)
-    from ember.port import add_parser as add_port_parser  # `ember port` lives in ember/port.py
+    from ember.port import add_parser as add_port_parser  # `ember port` lives in ember/port/
 
     add_port_parser(commands)
     from ember.runs import add_parser as add_runs_parser  # `ember runs` lives in ember/runs.py

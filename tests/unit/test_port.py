@@ -1,4 +1,4 @@
-"""`ember port` (ember/port.py): the migration guide's recipe applied to source text.
+"""`ember port` (ember/port/): the migration guide's recipe applied to source text.
 
 Golden outputs for each import form of the recipe; generated files for what must hold of every port (strings and
 comments unchanged, the result parses, a second port changes nothing); the notes for what cannot be mapped;
