@@ -114,17 +114,23 @@ class WandbLogger(Logger):
                 self._run = self._start()
         return self._run
 
-    def _start(self) -> Any:
-        import wandb
-
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        kwargs: dict[str, Any] = {
+    def _identity(self) -> dict[str, Any]:
+        """What names the W&B run: project, name, entity, tags, group and notes."""
+        return {
             "project": self.project,
             "name": self.name,
             "entity": self.entity,
             "tags": self.tags,
             "group": self.group,
             "notes": self.notes,
+        }
+
+    def _start(self) -> Any:
+        import wandb
+
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        kwargs: dict[str, Any] = {
+            **self._identity(),
             "dir": str(self.log_dir),
             "mode": self.resolved_mode,
             "config": self._config or None,
@@ -182,12 +188,7 @@ class WandbLogger(Logger):
     def rebuild_kwargs(self) -> dict[str, Any] | None:
         """The same W&B run (its id), project and mode."""
         return {
-            "project": self.project,
-            "name": self.name,
-            "entity": self.entity,
-            "tags": self.tags,
-            "group": self.group,
-            "notes": self.notes,
+            **self._identity(),
             "mode": self._resolved_mode or self.mode,
             "save_dir": str(self._save_dir) if self._save_dir is not None else None,
             "id": self._run_id,
