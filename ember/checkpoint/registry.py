@@ -316,9 +316,15 @@ def write(path: Path, snapshot: Snapshot, set_last: bool = False) -> Path:
     )
 
 
-def load(path: Path, rank: int = 0, world_size: int = 1) -> Loaded:
+def load(path: Path, rank: int = 0, world_size: int = 1, sharded: Any = None, group: Any = None) -> Loaded:
+    """Read checkpoint `path` for process `rank` of `world_size`. With `sharded` (the strategy's
+    `sharded_state`: module and optimizer state as this process holds it), the tensors it names are read
+    shard by shard (a collective over `group`), the rest whole."""
     meta = ckpt.read_meta(path)
-    tensors = ckpt.read_tensors(path)
+    shards: dict[str, Tensor] = {}
+    if sharded is not None:
+        shards = ckpt.read_shards(path, ckpt.split_tensors(sharded)[1], group)
+    tensors = {**ckpt.read_tensors(path, keys=lambda key: key not in shards), **shards}
     tensor_state = ckpt.join_checked(path, meta["tensor_skeleton"], tensors)
     return Loaded(path, meta, tensor_state, _rank_state(path, meta, rank, world_size))
 
