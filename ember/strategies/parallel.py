@@ -51,6 +51,7 @@ def rebuilt_loader(loader: DataLoader[Any], **changes: Any) -> DataLoader[Any]:
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,
         "pin_memory": loader.pin_memory,
+        "pin_memory_device": loader.pin_memory_device,
         "drop_last": loader.drop_last,
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
@@ -186,7 +187,8 @@ class ParallelStrategy(Strategy):
         A shuffling training loader is shuffled by (seed, epoch) across ranks;
         a sequential one stays sequential, so W ranks x batch B see exactly the
         samples of one batch W*B. Evaluation is never shuffled or padded. Loaders
-        with a custom sampler or batch sampler are left as they are.
+        with a custom sampler or batch sampler are left as they are. On a GPU the
+        rebuilt loader pins its batches (``pin_memory=True``).
         """
         if not self.use_distributed_sampler or self.world_size == 1 or not isinstance(loader, DataLoader):
             return loader
@@ -205,7 +207,9 @@ class ParallelStrategy(Strategy):
             )
         else:
             sampler = EvalDistributedSampler(len(dataset), **shard)  # type: ignore[arg-type]
-        distributed = rebuilt_loader(loader, sampler=sampler)
+        # Batches bound for a GPU come from pinned memory: their non_blocking copy then overlaps the step.
+        pin = loader.pin_memory or self.root_device.type == "cuda"
+        distributed = rebuilt_loader(loader, sampler=sampler, pin_memory=pin)
         # The sampler it replaces: a checkpoint written by one process replays its order to continue an
         # interrupted epoch on several (ember.checkpoint.data_position).
         distributed.ember_source_sampler = loader.sampler
