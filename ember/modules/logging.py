@@ -27,13 +27,19 @@ ReduceFn = Callable[[Tensor, str], Tensor]
 
 
 def to_floats(values: Mapping[str, Tensor | float]) -> dict[str, float]:
-    """Convert a dict of scalar tensors to Python floats with a single host sync."""
-    tensors = [(k, v) for k, v in values.items() if isinstance(v, Tensor)]
-    out = {k: float(v) for k, v in values.items() if not isinstance(v, Tensor)}
-    if tensors:
-        stacked = torch.stack([v.detach().reshape(()).to(torch.float64, copy=False).cpu() for _, v in tensors])
-        out.update(zip((k for k, _ in tensors), stacked.tolist(), strict=True))
-    return out
+    """Convert a dict of scalar tensors to Python floats with a single host sync (one per device they are on:
+    the tensors of a device are stacked there and copied to the host together)."""
+    by_device: dict[torch.device, list[tuple[str, Tensor]]] = {}
+    out: dict[str, float] = {}
+    for k, v in values.items():
+        if isinstance(v, Tensor):
+            by_device.setdefault(v.device, []).append((k, v))
+        else:
+            out[k] = float(v)
+    for items in by_device.values():
+        stacked = torch.stack([v.detach().reshape(()).to(torch.float64, copy=False) for _, v in items])
+        out.update(zip((k for k, _ in items), stacked.tolist(), strict=True))
+    return {k: out[k] for k in values}  # in the order given
 
 
 def infer_batch_size(batch: Any) -> int:
