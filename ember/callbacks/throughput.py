@@ -6,6 +6,7 @@ synchronised, on GPU) only on logged steps.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -22,13 +23,17 @@ if TYPE_CHECKING:
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
 
-#: Dense peak FLOP/s per device by name fragment and compute dtype (vendor datasheets, without sparsity).
+#: Dense peak FLOP/s per device by model name and compute dtype (vendor datasheets, without sparsity). A name
+#: matches whole words of the device name (``"L4"`` is not ``"NVIDIA L40"``); the first entry that matches wins,
+#: so a variant (``"H100 PCIe"``) comes before its family (``"H100"``: the SXM cards).
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12},
     "H100": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},
     "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
     "A10G": {"bf16": 70e12, "fp16": 70e12, "tf32": 35e12, "fp32": 31.2e12},
     "L40S": {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12},
+    "L40": {"bf16": 181e12, "fp16": 181e12, "tf32": 90.5e12, "fp32": 90.5e12},
     "L4": {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
     "V100": {"fp16": 125e12, "fp32": 15.7e12},
     "T4": {"fp16": 65e12, "fp32": 8.1e12},
@@ -47,8 +52,10 @@ def peak_flops_per_s(device: torch.device, precision: str = "32-true") -> float 
         dtype = "fp16"
     else:
         dtype = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
-    for fragment, peaks in PEAK_FLOPS.items():
-        if fragment in name:
+    words = re.findall(r"[a-z0-9]+", name.lower())  # "NVIDIA A100-SXM4-80GB" -> nvidia, a100, sxm4, 80gb
+    for model, peaks in PEAK_FLOPS.items():
+        wanted = model.lower().split()
+        if any(words[i : i + len(wanted)] == wanted for i in range(len(words))):
             return peaks.get(dtype)
     return None
 

@@ -59,6 +59,7 @@ from ember.checkpoint.reading import (
     read_metadata,
     read_module_state,
     read_rank_meta,
+    read_shards,
     read_tensors,
 )
 from ember.checkpoint.writing import (
@@ -96,6 +97,7 @@ __all__ = [
     "read_module_state",
     "read_pointer",
     "read_rank_meta",
+    "read_shards",
     "read_tensors",
     "recorded_best",
     "release_if_empty",

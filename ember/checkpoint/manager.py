@@ -211,7 +211,10 @@ class CheckpointManager:
         """Restore every registry entry from checkpoint `path` for resuming training; returns this process's
         state (random streams, data position), which the fit loop applies when training continues. A data
         position that cannot continue under this run's data settings is refused here, before any step."""
-        loaded = registry.load(path, trainer.global_rank, trainer.world_size)
+        strategy = trainer.strategy
+        sharded = strategy.sharded_state(module, trainer.optimizers)  # FSDP: each process reads its shards only
+        group = getattr(strategy, "checkpoint_group", None)
+        loaded = registry.load(path, trainer.global_rank, trainer.world_size, sharded, group)
         registry.restore(trainer, module, loaded)
         data_position.check_rest_of_epoch(trainer, path, loaded.rank_state)  # before any step: refuse, or plan
         return loaded.rank_state

@@ -86,8 +86,6 @@ def read_rank_meta(path: Path, rank: int = 0) -> dict[str, Any]:
 
 def read_tensors(path: Path, keys: Callable[[str], bool] = lambda _k: True) -> dict[str, Tensor]:
     """Load the tensors whose key passes `keys`, into freshly allocated CPU tensors."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = read_metadata(path)
@@ -103,17 +101,48 @@ def read_tensors(path: Path, keys: Callable[[str], bool] = lambda _k: True) -> d
         except (RuntimeError, MemoryError) as exc:
             first_line = (str(exc).strip().splitlines() or [""])[0]
             raise CheckpointError(f"checkpoint {path}: no memory for {key} {tuple(item.size)} ({first_line})") from None
+    _dcp_load(path, template, no_dist=True)
+    return template
+
+
+def read_shards(path: Path, targets: dict[str, Tensor], group: Any = None) -> dict[str, Tensor]:
+    """Read the tensors named in `targets` into new tensors laid out like them; every process of `group`
+    calls it. For a DTensor target this process reads and allocates only the chunks its shard covers.
+
+    A name the checkpoint lacks, or holds with another shape or dtype, is left out of the result (read it
+    with `read_tensors`; loading it then reports the difference).
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_metadata(path)
+    template: dict[str, Tensor] = {}
+    for key, like in targets.items():
+        item = metadata.state_dict_metadata.get(key)
+        if isinstance(item, TensorStorageMetadata) and (tuple(item.size), item.properties.dtype) == (
+            tuple(like.shape),
+            like.dtype,
+        ):
+            template[key] = torch.empty_like(like)
+    bounds.check_tensor_claims(path, metadata, list(template))
+    _dcp_load(path, template, process_group=group)
+    return template
+
+
+def _dcp_load(path: Path, template: dict[str, Tensor], **options: Any) -> None:
+    """``dcp.load`` into `template` through the safe metadata reader; a failure is a `CheckpointError`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load(template, storage_reader=safe_reader(path, read_metadata), no_dist=True)
+            dcp.load(template, storage_reader=safe_reader(path, read_metadata), **options)
     except (Exception, CheckpointException) as exc:
         cause = underlying(exc)
         first_line = (str(cause).strip().splitlines() or [""])[0]
         raise CheckpointError(
             f"checkpoint {path}: reading tensors failed ({type(cause).__name__}: {first_line})"
         ) from None
-    return template
 
 
 def read_module_state(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:

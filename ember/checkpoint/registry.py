@@ -248,9 +248,10 @@ def gather(
 ) -> Snapshot:
     """Collect the registry; with `copy`, tensors are copied so training may go on while it is written.
 
-    The copies go into `staging` (tensors of an earlier snapshot whose write has finished, reused when
-    key, shape, dtype and device match, else allocated and kept there): a periodic async save then
-    costs the loop one memory copy, not an allocation that touches fresh pages.
+    The copies go into `staging`: host (CPU) buffers of an earlier snapshot whose write has finished, reused
+    when key, shape and dtype match, else allocated and kept there (`staging_buffer`). A periodic async save
+    then costs the loop one copy, not an allocation that touches fresh pages, and a GPU run keeps no second
+    copy of its weights and optimizer state in device memory between saves.
     """
     entries = registry(trainer, module)
     names = ("module",) if weights_only else tuple(entries)
@@ -271,6 +272,8 @@ def gather(
     rank_state = {"rng": capture_rng(), "epoch_start": epoch_start, **data_state(trainer)}
     if copy:
         tensors = {k: _copy_into(staging, k, v.detach()) for k, v in tensors.items()}
+        if staging is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the copies into pinned memory ran asynchronously; the writer reads them
         meta, rank_state = copy_module.deepcopy(meta), copy_module.deepcopy(rank_state)
     strategy = trainer.strategy
     group = getattr(strategy, "checkpoint_group", None)
@@ -280,10 +283,19 @@ def gather(
 def _copy_into(staging: dict[str, Tensor] | None, key: str, value: Tensor) -> Tensor:
     if staging is None or type(value) is not torch.Tensor:  # e.g. FSDP's DTensors: a fresh clone
         return value.clone()
+    buffer = staging_buffer(staging, key, value)
+    return buffer.copy_(value, non_blocking=buffer.is_pinned())
+
+
+def staging_buffer(staging: dict[str, Tensor], key: str, value: Tensor) -> Tensor:
+    """The host buffer an async snapshot copies `value` into: ``staging[key]`` when its shape and dtype match
+    (the same tensor save after save), else a new one kept there. A device tensor's buffer is pinned when
+    CUDA is available, so the device-to-host copy runs at full speed without a pageable bounce."""
     buffer = staging.get(key)
-    if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype or buffer.device != value.device:
-        buffer = staging[key] = torch.empty_like(value, memory_format=torch.contiguous_format)
-    return buffer.copy_(value)
+    if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+        pin = value.device.type != "cpu" and torch.cuda.is_available()
+        buffer = staging[key] = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pin)
+    return buffer
 
 
 def stage(path: Path, snapshot: Snapshot, set_last: bool = False) -> ckpt.StagedCheckpoint:
@@ -304,9 +316,15 @@ def write(path: Path, snapshot: Snapshot, set_last: bool = False) -> Path:
     )
 
 
-def load(path: Path, rank: int = 0, world_size: int = 1) -> Loaded:
+def load(path: Path, rank: int = 0, world_size: int = 1, sharded: Any = None, group: Any = None) -> Loaded:
+    """Read checkpoint `path` for process `rank` of `world_size`. With `sharded` (the strategy's
+    `sharded_state`: module and optimizer state as this process holds it), the tensors it names are read
+    shard by shard (a collective over `group`), the rest whole."""
     meta = ckpt.read_meta(path)
-    tensors = ckpt.read_tensors(path)
+    shards: dict[str, Tensor] = {}
+    if sharded is not None:
+        shards = ckpt.read_shards(path, ckpt.split_tensors(sharded)[1], group)
+    tensors = {**ckpt.read_tensors(path, keys=lambda key: key not in shards), **shards}
     tensor_state = ckpt.join_checked(path, meta["tensor_skeleton"], tensors)
     return Loaded(path, meta, tensor_state, _rank_state(path, meta, rank, world_size))
 

@@ -28,7 +28,8 @@ import torch
 
 
 def capture_rng() -> dict[str, Any]:
-    """The global random streams of this process: Python, NumPy (when imported), torch CPU and CUDA.
+    """The global random streams of this process: Python, NumPy (when imported), torch CPU and, when CUDA is
+    in use, the stream of this process's device (`torch.cuda.current_device`).
 
     Python's Mersenne Twister state (625 ints) is kept as one int64 tensor: a checkpoint then pickles
     one object for it, not 625, which makes the per-process file several times cheaper to write.
@@ -41,7 +42,9 @@ def capture_rng() -> dict[str, Any]:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
         state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This process's device only: each rank records its own stream (in its own part of the checkpoint),
+        # so the checkpoint does not depend on how many devices the host shows.
+        state["cuda_device"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -54,8 +57,21 @@ def restore_rng(state: dict[str, Any]) -> None:
 
         kind, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if torch.cuda.is_available():
+        _restore_cuda_rng(state)
+
+
+def _restore_cuda_rng(state: dict[str, Any]) -> None:
+    """Put this process's device stream back; the streams of devices this process does not use keep theirs.
+
+    An older checkpoint holds one state per device its host showed (``"cuda"``): the entry of this process's
+    device is taken, and none is set when that host had fewer devices (the device keeps its seeded stream).
+    """
+    device = torch.cuda.current_device()
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"], device)
+    elif "cuda" in state and device < len(state["cuda"]):
+        torch.cuda.set_rng_state(state["cuda"][device], device)
 
 
 def _as_python_random_state(value: Any) -> tuple[Any, ...]:

@@ -27,13 +27,19 @@ ReduceFn = Callable[[Tensor, str], Tensor]
 
 
 def to_floats(values: Mapping[str, Tensor | float]) -> dict[str, float]:
-    """Convert a dict of scalar tensors to Python floats with a single host sync."""
-    tensors = [(k, v) for k, v in values.items() if isinstance(v, Tensor)]
-    out = {k: float(v) for k, v in values.items() if not isinstance(v, Tensor)}
-    if tensors:
-        stacked = torch.stack([v.detach().reshape(()).to(torch.float64, copy=False).cpu() for _, v in tensors])
-        out.update(zip((k for k, _ in tensors), stacked.tolist(), strict=True))
-    return out
+    """Convert a dict of scalar tensors to Python floats with a single host sync (one per device they are on:
+    the tensors of a device are stacked there and copied to the host together)."""
+    by_device: dict[torch.device, list[tuple[str, Tensor]]] = {}
+    out: dict[str, float] = {}
+    for k, v in values.items():
+        if isinstance(v, Tensor):
+            by_device.setdefault(v.device, []).append((k, v))
+        else:
+            out[k] = float(v)
+    for items in by_device.values():
+        stacked = torch.stack([v.detach().reshape(()).to(torch.float64, copy=False) for _, v in items])
+        out.update(zip((k for k, _ in items), stacked.tolist(), strict=True))
+    return {k: out[k] for k in values}  # in the order given
 
 
 def infer_batch_size(batch: Any) -> int:
@@ -101,10 +107,11 @@ class _Entry:
         op = "sum" if self.reduce_fx == "mean" else self.reduce_fx
         total = reduce(self.total, op) if self.sync_dist else self.total
         if self.reduce_fx == "mean":
-            weight = self.weight
-            if self.sync_dist:
-                weight = int(reduce(torch.tensor(float(weight), device=total.device), "sum"))
-            return total / max(weight, 1)
+            if not self.sync_dist:
+                return total / max(self.weight, 1)
+            # The ranks' weights summed on the device, and kept there: no host sync at the epoch end.
+            weight = reduce(torch.tensor(float(self.weight), dtype=total.dtype, device=total.device), "sum")
+            return total / weight.clamp_min(1)
         return total.clone()
 
 
@@ -118,6 +125,8 @@ class MetricCollector:
     """
 
     reduce: ReduceFn = field(default=lambda t, _fx: t)
+    #: Where the running totals live: the module's device (a restored checkpoint's totals are read onto the CPU).
+    device: Callable[[], torch.device] = field(default=lambda: torch.device("cpu"))
     stage: str = "train"
     suffix: str = ""
     current_batch: Any = None
@@ -245,11 +254,16 @@ class MetricCollector:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stage = state["stage"]
         self._entries = {key: _Entry(**fields) for key, fields in state["entries"].items()}
-        for entry in self._entries.values():  # a checkpoint from before float64 totals
-            if entry.reduce_fx in ("mean", "sum") and entry.total is not None:
-                entry.total = entry.total.to(torch.float64)
-                if entry.total.device.type == "cpu":
-                    entry.scratch = torch.empty((), dtype=torch.float64)
+        device = self.device()
+        for entry in self._entries.values():
+            if entry.total is None:
+                continue
+            # Back on the module's device: a synced epoch value all-reduces the totals (NCCL takes device tensors
+            # only), and a step's value adds into them without a copy to the host.
+            dtype = torch.float64 if entry.reduce_fx in ("mean", "sum") else entry.total.dtype  # older: float32
+            entry.total = entry.total.to(device=device, dtype=dtype)
+            if entry.reduce_fx in ("mean", "sum") and device.type == "cpu":
+                entry.scratch = torch.empty((), dtype=torch.float64)
         self.step_values = dict(state["step_values"])
         for k, e in self._entries.items():
             tags = ("_step", "_epoch") if e.on_step and e.on_epoch else ("",)

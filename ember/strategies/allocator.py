@@ -64,8 +64,12 @@ def allocator_status() -> AllocatorStatus | None:
     return _status if _status is not None else _last_skip
 
 
-def tune_cpu_allocator(enabled: bool = True) -> AllocatorStatus:
+def tune_cpu_allocator(enabled: bool = True, device_type: str = "cpu") -> AllocatorStatus:
     """Raise glibc's mmap and trim thresholds once per process, unless something says not to (module docstring).
+
+    `device_type` is where the run trains: only a CPU run gains (its tensors are the large allocations); a GPU
+    run's host allocations are loader batches, and the thresholds would keep up to 1 GiB per process (times
+    processes and loader workers) for nothing, so it is left alone.
 
     Safe to call before every run: once applied (or found impossible here), later calls return that
     outcome without doing anything. An opt-out is not remembered, so a later run that allows it applies it.
@@ -77,6 +81,9 @@ def tune_cpu_allocator(enabled: bool = True) -> AllocatorStatus:
         return _status
     if not enabled:
         _last_skip = AllocatorStatus(False, "switched off: Trainer(tune_cpu_allocator=False)")
+        return _last_skip
+    if device_type != "cpu":
+        _last_skip = AllocatorStatus(False, f"not needed: the run trains on {device_type}, not on the CPU")
         return _last_skip
     if not _env_allows():
         _last_skip = AllocatorStatus(False, f"switched off: {ENV_VAR}={os.environ[ENV_VAR]}")

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from ember.strategies.parallel import ParallelStrategy
 from ember.strategies.precision import Precision
-from ember.strategies.strategy import compile_in_place, hook_takes_mesh
+from ember.strategies.strategy import compile_in_place, holds_dtensors, hook_takes_mesh
 
 
 def repeated_block_classes(module: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -230,9 +230,12 @@ class FSDPStrategy(ParallelStrategy):
     def load_module_state(self, module: nn.Module, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True))
+        # Whole tensors are distributed; shards (a checkpoint read shard by shard, `sharded_state`) load as they are.
+        full = not holds_dtensors(state)
+        set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=full))
 
     def load_optimizer_state(self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        full = not holds_dtensors(state)
+        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=full))

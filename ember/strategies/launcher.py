@@ -21,6 +21,7 @@ import socket
 import sys
 import tempfile
 import uuid
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import NoReturn
 
@@ -46,6 +47,18 @@ def _all_preempted(folder: Path, nprocs: int) -> bool:
     return all((folder / f"preempted-{rank}").exists() for rank in range(nprocs))
 
 
+def set_worker_threads(nprocs: int, environ: MutableMapping[str, str]) -> None:
+    """Give each of `nprocs` workers its share of this machine's cores (``OMP_NUM_THREADS``, at least 1), as
+    torchrun does, unless the variable is set already: N processes each using every core slow each other down."""
+    if "OMP_NUM_THREADS" in environ:
+        return
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    environ["OMP_NUM_THREADS"] = str(max(1, cores // nprocs))
+
+
 def relaunch(nprocs: int, requeue_signal: int | None = None) -> NoReturn:
     """Run this program again in `nprocs` processes under the elastic agent; exit with their outcome.
 
@@ -66,6 +79,7 @@ def relaunch(nprocs: int, requeue_signal: int | None = None) -> NoReturn:
         max_restarts=0,
         monitor_interval=0.5,
     )
+    set_worker_threads(nprocs, os.environ)
     argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))[1:]
     print(f"ember: starting {nprocs} processes: {' '.join(argv)}", file=sys.stderr, flush=True)
     status = Path(tempfile.mkdtemp(prefix="ember-launch-"))

@@ -22,7 +22,7 @@ from ember.strategies.collectives import keep
 from ember.strategies.fsdp import outermost_blocks, repeated_block_classes
 from ember.strategies.parallel import ParallelStrategy
 from ember.strategies.precision import Precision
-from ember.strategies.strategy import compile_in_place, hook_takes_mesh
+from ember.strategies.strategy import compile_in_place, holds_dtensors, hook_takes_mesh
 
 #: Names of the two mesh dimensions, outer (data parallel) first.
 MESH_DIM_NAMES = ("dp", "tp")
@@ -300,12 +300,15 @@ class ModelParallelStrategy(ParallelStrategy):
         """Load full weights: each process keeps the part its mesh coordinates own (any mesh shape)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True))
+        # Whole tensors are distributed; shards (a checkpoint read shard by shard, `sharded_state`) load as they are.
+        full = not holds_dtensors(state)
+        set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=full))
 
     def load_optimizer_state(self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        full = not holds_dtensors(state)
+        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=full))
 
     # --- collectives ----------------------------------------------------------
     def reduce(self, tensor: Tensor, reduce_fx: str = "mean") -> Tensor:

@@ -51,6 +51,7 @@ def rebuilt_loader(loader: DataLoader[Any], **changes: Any) -> DataLoader[Any]:
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,
         "pin_memory": loader.pin_memory,
+        "pin_memory_device": loader.pin_memory_device,
         "drop_last": loader.drop_last,
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
@@ -60,6 +61,23 @@ def rebuilt_loader(loader: DataLoader[Any], **changes: Any) -> DataLoader[Any]:
         "persistent_workers": loader.persistent_workers,
     }
     return DataLoader(loader.dataset, **{**kept, **changes})
+
+
+def cuda_index(local_rank: int, visible: int) -> int:
+    """The CUDA device of the process with `local_rank` on a node where it sees `visible` devices.
+
+    One device per process on the node: device ``local_rank``. One device bound to each process (SLURM's
+    ``--gpus-per-task=1``, or ``CUDA_VISIBLE_DEVICES`` set per process): device 0, the only one it sees.
+    """
+    if visible == 1:
+        return 0
+    if 0 <= local_rank < visible:
+        return local_rank
+    raise RuntimeError(
+        f"the process with local rank {local_rank} sees {visible} CUDA devices "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most one process per "
+        "visible device on each node, or bind one device to each process (SLURM: --gpus-per-task=1)"
+    )
 
 
 class ParallelStrategy(Strategy):
@@ -155,7 +173,7 @@ class ParallelStrategy(Strategy):
             )
         use_cuda = self.accelerator == "cuda" or (self.accelerator == "auto" and torch.cuda.is_available())
         if use_cuda:
-            self.root_device = torch.device("cuda", self.cluster.local_rank)
+            self.root_device = torch.device("cuda", cuda_index(self.cluster.local_rank, torch.cuda.device_count()))
             torch.cuda.set_device(self.root_device)
         else:
             self.root_device = torch.device("cpu")
@@ -164,12 +182,15 @@ class ParallelStrategy(Strategy):
             backend = self.backend or ("nccl" if use_cuda else "gloo")
             timeout = timedelta(seconds=self.timeout_s)
             store = _store_of_this_attempt(timeout)
+            # Bound to this process's GPU: NCCL then creates its communicator for that device (no guess from
+            # the current device, no warning at the first barrier).
+            device_id = self.root_device if backend == "nccl" else None
             if store is None:
-                dist.init_process_group(backend, timeout=timeout)
+                dist.init_process_group(backend, timeout=timeout, device_id=device_id)
             else:
                 dist.init_process_group(
                     backend, timeout=timeout, store=store, rank=self.cluster.global_rank,
-                    world_size=self.cluster.world_size,
+                    world_size=self.cluster.world_size, device_id=device_id,
                 )  # fmt: skip
             atexit.register(_destroy_group)
         if self.checkpoint_group is None:
@@ -186,7 +207,8 @@ class ParallelStrategy(Strategy):
         A shuffling training loader is shuffled by (seed, epoch) across ranks;
         a sequential one stays sequential, so W ranks x batch B see exactly the
         samples of one batch W*B. Evaluation is never shuffled or padded. Loaders
-        with a custom sampler or batch sampler are left as they are.
+        with a custom sampler or batch sampler are left as they are. On a GPU the
+        rebuilt loader pins its batches (``pin_memory=True``).
         """
         if not self.use_distributed_sampler or self.world_size == 1 or not isinstance(loader, DataLoader):
             return loader
@@ -205,7 +227,9 @@ class ParallelStrategy(Strategy):
             )
         else:
             sampler = EvalDistributedSampler(len(dataset), **shard)  # type: ignore[arg-type]
-        distributed = rebuilt_loader(loader, sampler=sampler)
+        # Batches bound for a GPU come from pinned memory: their non_blocking copy then overlaps the step.
+        pin = loader.pin_memory or self.root_device.type == "cuda"
+        distributed = rebuilt_loader(loader, sampler=sampler, pin_memory=pin)
         # The sampler it replaces: a checkpoint written by one process replays its order to continue an
         # interrupted epoch on several (ember.checkpoint.data_position).
         distributed.ember_source_sampler = loader.sampler
@@ -222,7 +246,11 @@ class ParallelStrategy(Strategy):
 
     def barrier(self) -> None:
         """Wait until every process of the job gets here (nothing to wait for before the process group exists)."""
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        if self.root_device.type == "cuda" and dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])  # NCCL's barrier runs on this process's GPU
+        else:
             dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:

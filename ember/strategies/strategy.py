@@ -114,6 +114,19 @@ def compile_target(module: nn.Module) -> nn.Module:
 _WRAPPER_NAME_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_flat_param")
 
 
+def holds_dtensors(state: Any) -> bool:
+    """Whether `state` (a tensor, or dicts and lists of them) holds a DTensor: a shard of a larger tensor."""
+    if "torch.distributed.tensor" not in sys.modules:  # nothing can be a DTensor yet: no import needed
+        return False
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return any(holds_dtensors(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(holds_dtensors(v) for v in state)
+    return isinstance(state, DTensor)
+
+
 def optimizer_state_by_name(module: nn.Module, optimizer: Optimizer) -> dict[str, Any] | None:
     """``optimizer.state_dict()`` with parameter names in place of indices, or None when that needs DCP.
 
@@ -301,6 +314,18 @@ class Strategy:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         return get_optimizer_state_dict(module, optimizer)
+
+    def sharded_state(self, module: nn.Module, optimizers: list[Optimizer]) -> dict[str, Any] | None:
+        """``{"module": ..., "optimizers": [...]}`` as this process holds them, when it holds a shard of each
+        parameter (DTensors: FSDP, tensor parallel); None when its parameters are whole tensors.
+
+        A resume reads a checkpoint into tensors laid out like these, so each process reads and allocates
+        only the chunks its shards cover (about 1/world of the state), not every tensor whole. The layout is
+        the one a save writes (``module.state_dict()``, `optimizer_state`).
+        """
+        if not holds_dtensors(list(module.parameters())):
+            return None
+        return {"module": module.state_dict(), "optimizers": [self.optimizer_state(module, o) for o in optimizers]}
 
     def load_module_state(self, module: nn.Module, state: dict[str, Any]) -> None:
         """Load full (unsharded) weights; sharding strategies distribute them."""

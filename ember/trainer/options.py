@@ -251,7 +251,10 @@ def _strategy(
         count = int(devices)
     else:
         raise ValueError(f"devices={devices!r}: use a positive number of processes (devices=1 is one device) or 'auto'")
-    if use_cuda and count > torch.cuda.device_count():
+    launched = detect().kind != "single"
+    # ember starts `count` processes on this machine, one GPU each. Under a launcher each process may see only
+    # the GPU bound to it (SLURM --gpus-per-task=1): setup_environment checks this process's own device.
+    if use_cuda and not launched and count > torch.cuda.device_count():
         raise ValueError(f"devices={count} but this machine has {torch.cuda.device_count()} CUDA device(s)")
     plugin = resolve_precision(precision)
     if isinstance(strategy, str) and strategy not in _STRATEGIES:
@@ -259,7 +262,7 @@ def _strategy(
             f"strategy={strategy!r} is not valid; choose one of: {', '.join(_STRATEGIES)} or a Strategy instance"
         )
     if strategy == "auto":
-        strategy = "ddp" if count * num_nodes > 1 or detect().kind != "single" else "single_device"
+        strategy = "ddp" if count * num_nodes > 1 or launched else "single_device"
     if strategy == "single_device":
         if count * num_nodes > 1:
             raise ValueError(f"strategy='single_device' runs one process; devices={devices}, num_nodes={num_nodes}")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ember.modules.logging import MetricCollector, to_floats
 
 if TYPE_CHECKING:
@@ -21,8 +23,9 @@ class Reporter:
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
-        self.train_collector = MetricCollector(reduce=trainer.strategy.reduce)
-        self.eval_collector = MetricCollector(reduce=trainer.strategy.reduce)
+        device = self.device
+        self.train_collector = MetricCollector(reduce=trainer.strategy.reduce, device=device)
+        self.eval_collector = MetricCollector(reduce=trainer.strategy.reduce, device=device)
         #: The collector ``self.log`` writes to now: the eval one while an evaluation runs.
         self.collector = self.train_collector
         self.epoch_metrics: dict[str, Any] = {}
@@ -31,6 +34,10 @@ class Reporter:
         self.last_eval_metrics: dict[str, float] = {}
         #: The names the most recent sanity check logged (``callbacks.monitored`` checks monitors against them).
         self.sanity_names: frozenset[str] = frozenset()
+
+    def device(self) -> torch.device:
+        """The module's device, where the collectors keep their running totals."""
+        return self.trainer.strategy.root_device
 
     def use(self, collector: MetricCollector) -> None:
         """Make `collector` the one ``self.log`` writes to (an evaluation's while it runs)."""

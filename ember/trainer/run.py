@@ -128,7 +128,8 @@ def prepare(
     if trainer.strategy.needs_launch():
         launcher.relaunch(trainer.strategy.world_size_requested, signals.resolve_signal(options.requeue_signal))
     trainer.strategy.setup_environment()
-    allocator.tune_cpu_allocator(options.tune_cpu_allocator)  # once per process, before the run allocates
+    device_type = trainer.strategy.root_device.type
+    allocator.tune_cpu_allocator(options.tune_cpu_allocator, device_type)  # once per process, before allocating
     if not state.loggers_resolved:  # only process 0 logs; the others keep no loggers at all
         if not trainer.is_global_zero:
             state.loggers = []

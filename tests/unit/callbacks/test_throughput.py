@@ -223,3 +223,25 @@ def test_measure_flops_on_the_meta_device() -> None:
     assert measure_flops(lambda: model(x)) == 2 * 4 * 16 * 8
     assert measure_flops(lambda: model(x), lambda y: y.sum()) == 2 * (2 * 4 * 16 * 8)  # no input grad for x
     assert peak_flops_per_s(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize(
+    ("device_name", "peak"),
+    [
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),  # the SXM card's name
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA L40", 181e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA GeForce RTX 4090", 165.2e12),
+        ("NVIDIA B9000 (unknown)", None),
+    ],
+)
+def test_peak_flops_match_whole_model_names(
+    monkeypatch: pytest.MonkeyPatch, device_name: str, peak: float | None
+) -> None:
+    from ember.callbacks.throughput import peak_flops_per_s
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device=None: device_name)
+    assert peak_flops_per_s(torch.device("cuda", 0), "bf16-mixed") == peak

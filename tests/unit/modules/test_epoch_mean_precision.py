@@ -161,3 +161,54 @@ def test_accumulating_allocates_nothing_per_step() -> None:
     assert "aten::add_" in names
     assert not {name for name in names if name.startswith(("aten::empty", "aten::to", "aten::_to_copy"))}, names
     assert float(collector.epoch_values()["val/loss"]) == 0.25
+
+
+def _device_only_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    """A stand-in for an NCCL all-reduce: it rejects host tensors (here the `meta` device plays the GPU)."""
+    if tensor.device.type == "cpu":
+        raise RuntimeError(f"all_reduce({op}): a CPU tensor on a device process group")
+    return tensor
+
+
+@pytest.mark.parametrize("reduce_fx", ["mean", "sum", "max", "min"])
+def test_restored_totals_go_back_to_the_module_device(reduce_fx: str) -> None:
+    saved = MetricCollector()
+    saved.start_epoch("train")
+    options = dict(on_step=False, on_epoch=True, reduce_fx=reduce_fx, sync_dist=True)
+    log(saved, "train/loss", torch.tensor(2.0), batch_size=3, **options)
+    state = saved.state_dict()  # a checkpoint is read onto the CPU: its totals are CPU tensors
+    meta = torch.device("meta")
+    restored = MetricCollector(reduce=_device_only_reduce, device=lambda: meta)
+    restored.load_state_dict(state)
+    entry = restored._entries["train/loss"]
+    assert entry.total is not None and entry.total.device == meta
+    assert entry.scratch is None  # no host buffer to copy each step's device value through
+    assert entry.total.dtype == (torch.float64 if reduce_fx in ("mean", "sum") else torch.float32)
+    log(restored, "train/loss", torch.ones((), device=meta), batch_size=1, **options)
+    # The epoch value is all-reduced (sync_dist): every tensor reaching the reduce is on the device.
+    (value,) = restored.epoch_values().values()
+    assert value.device == meta
+
+
+def test_restored_totals_on_the_cpu_keep_their_values_and_scratch() -> None:
+    saved = MetricCollector()
+    saved.start_epoch("train")
+    log(saved, "train/loss", torch.tensor(2.0), on_step=False, on_epoch=True, batch_size=3)
+    restored = MetricCollector(device=lambda: torch.device("cpu"))
+    restored.load_state_dict(saved.state_dict())
+    assert restored._entries["train/loss"].scratch is not None
+    log(restored, "train/loss", torch.tensor(1.0), on_step=False, on_epoch=True, batch_size=1)
+    (value,) = restored.epoch_values().values()
+    assert float(value) == (2.0 * 3 + 1.0) / 4
+
+
+def test_the_trainer_collectors_follow_the_strategy_device() -> None:
+    from ember.strategies.strategy import Strategy
+
+    trainer = ember.Trainer(strategy=Strategy(device="meta"), logger=False, enable_checkpointing=False)
+    saved = MetricCollector()
+    saved.start_epoch("train")
+    log(saved, "train/loss", torch.tensor(2.0), on_step=False, on_epoch=True, batch_size=3)
+    trainer.reporter.train_collector.load_state_dict(saved.state_dict())
+    total = trainer.reporter.train_collector._entries["train/loss"].total
+    assert total is not None and total.device.type == "meta"

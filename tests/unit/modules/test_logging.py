@@ -502,3 +502,26 @@ def test_logging_does_not_call_item(monkeypatch):
     assert trainer.global_step == 6
     assert trainer.callback_metrics["train/x0_epoch"] == pytest.approx(10.5)  # max of batch means
     assert trainer.callback_metrics["val/mean"] == pytest.approx(5.5)
+
+
+class _HostCopies(torch.Tensor):
+    """A tensor that counts the calls that copy it to the host (each one a sync on a GPU)."""
+
+    copies = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if getattr(func, "__name__", "") in ("cpu", "tolist", "item", "numpy", "__float__"):
+            cls.copies += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_to_floats_copies_to_the_host_once_for_a_whole_dict() -> None:
+    from ember.modules.logging import to_floats
+
+    _HostCopies.copies = 0
+    values = {f"m{i}": torch.tensor(float(i) / 4).as_subclass(_HostCopies) for i in range(5)}
+    floats = to_floats({**values, "epoch": 3, "half": torch.tensor(0.5, dtype=torch.float16).as_subclass(_HostCopies)})
+    assert _HostCopies.copies == 1
+    assert floats == {"m0": 0.0, "m1": 0.25, "m2": 0.5, "m3": 0.75, "m4": 1.0, "epoch": 3.0, "half": 0.5}
+    assert list(floats) == ["m0", "m1", "m2", "m3", "m4", "epoch", "half"]

@@ -193,3 +193,42 @@ def test_the_trainer_rejects_a_non_bool_before_any_work() -> None:
 
     with pytest.raises(TypeError, match="tune_cpu_allocator='no' must be True or False"):
         ember.Trainer(tune_cpu_allocator="no")  # type: ignore[arg-type]
+
+
+def test_not_applied_to_a_run_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(allocator, "_status", None)  # as in a fresh process
+    monkeypatch.setattr(allocator, "_last_skip", None)
+    monkeypatch.delenv(allocator.ENV_VAR, raising=False)
+
+    def no_apply() -> allocator.AllocatorStatus:
+        raise AssertionError("the thresholds were set for a GPU run")
+
+    monkeypatch.setattr(allocator, "_apply", no_apply)
+    status = allocator.tune_cpu_allocator(True, "cuda")
+    assert not status.applied and status.reason == "not needed: the run trains on cuda, not on the CPU"
+    assert allocator.allocator_status() == status
+
+
+def test_a_run_passes_its_device_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import ember
+
+    seen: list[tuple[bool, str]] = []
+    record = lambda enabled, device_type: seen.append((enabled, device_type))  # noqa: E731
+    monkeypatch.setattr(allocator, "tune_cpu_allocator", record)
+
+    class Tiny(ember.TrainingModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.loss_fn = nn.Linear(4, 2), nn.CrossEntropyLoss()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randn(4, 4), torch.randint(0, 2, (4,))), batch_size=4)
+    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    ember.Trainer(max_steps=1, accelerator="cpu", **quiet).fit(Tiny(), data)  # type: ignore[arg-type]
+    assert seen == [(True, "cpu")]

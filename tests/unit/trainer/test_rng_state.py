@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import random
 
+import pytest
 import torch
 
 from ember.checkpoint.resume import capture_rng, restore_rng
@@ -48,3 +49,73 @@ def test_checkpoints_with_the_python_state_as_a_tuple_or_list_still_restore() ->
     for state in (old, as_lists):
         restore_rng(state)
         assert draws() == expected
+
+
+class FakeCuda:
+    """A host with `count` CUDA devices, this process on `current`: per-device RNG states without a GPU.
+
+    Setting a device index the host lacks raises, as torch does; `set_rng_state_all` sets one per entry.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, count: int, current: int) -> None:
+        self.count, self.current = count, current
+        self.states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(count)}
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: True)
+        monkeypatch.setattr(cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(cuda, "device_count", lambda: self.count)
+        monkeypatch.setattr(cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(cuda, "get_rng_state", self.get)
+        monkeypatch.setattr(cuda, "set_rng_state", self.set)
+        monkeypatch.setattr(cuda, "get_rng_state_all", lambda: [self.get(i) for i in range(self.count)])
+        monkeypatch.setattr(cuda, "set_rng_state_all", lambda states: [self.set(s, i) for i, s in enumerate(states)])
+
+    def index(self, device: int | str | torch.device) -> int:
+        index = torch.device("cuda", device).index if isinstance(device, int) else torch.device(device).index
+        if index is None or not 0 <= index < self.count:
+            raise IndexError(f"CUDA device {device} does not exist on a host with {self.count}")
+        return index
+
+    def get(self, device: int | str | torch.device = "cuda") -> torch.Tensor:
+        return self.states[self.index(device if device != "cuda" else self.current)].clone()
+
+    def set(self, state: torch.Tensor, device: int | str | torch.device = "cuda") -> None:
+        self.states[self.index(device if device != "cuda" else self.current)] = state.clone()
+
+
+def test_each_rank_records_only_its_own_device_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeCuda(monkeypatch, count=8, current=5)
+    state = capture_rng()
+    cuda_entries = [v for k, v in state.items() if k.startswith("cuda")]
+    assert len(cuda_entries) == 1  # one stream, not one per device of the host
+    assert torch.equal(cuda_entries[0], torch.full((16,), 5, dtype=torch.uint8))
+
+
+def test_a_checkpoint_from_an_8_gpu_host_restores_on_a_1_gpu_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    big = FakeCuda(monkeypatch, count=8, current=0)
+    big.states[0] = torch.full((16,), 42, dtype=torch.uint8)  # rank 0's stream moved on during training
+    state = capture_rng()
+    small = FakeCuda(monkeypatch, count=1, current=0)
+    restore_rng(state)  # raised IndexError when every device's stream was saved and set
+    assert torch.equal(small.states[0], torch.full((16,), 42, dtype=torch.uint8))
+
+
+def test_a_rank_restores_onto_its_own_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeCuda(monkeypatch, count=4, current=3)
+    state = capture_rng()
+    host = FakeCuda(monkeypatch, count=4, current=2)  # resumed as local rank 2 of another job
+    restore_rng(state)
+    assert torch.equal(host.states[2], torch.full((16,), 3, dtype=torch.uint8))
+    assert all(torch.equal(host.states[i], torch.full((16,), i, dtype=torch.uint8)) for i in (0, 1, 3))
+
+
+def test_an_older_per_host_list_restores_this_device_entry_or_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    random.seed(1)
+    state = {**capture_rng(), "cuda": [torch.full((16,), 10 + i, dtype=torch.uint8) for i in range(8)]}
+    host = FakeCuda(monkeypatch, count=2, current=1)
+    restore_rng(state)
+    assert torch.equal(host.states[1], torch.full((16,), 11, dtype=torch.uint8))
+    assert torch.equal(host.states[0], torch.full((16,), 0, dtype=torch.uint8))  # not this process's device
+    short = {**state, "cuda": state["cuda"][:1]}  # written on a host with one device, resumed on device 1
+    restore_rng(short)
+    assert torch.equal(host.states[1], torch.full((16,), 11, dtype=torch.uint8))  # left as it was
