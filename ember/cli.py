@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import shlex
 import signal
 import sys
 import threading
@@ -146,8 +147,7 @@ def _run_reporting(argv: Sequence[str] | None) -> int:
         if debug:
             traceback.print_exc()
         failed = isinstance(exc, (CheckpointWriteError, NonFiniteLoss))
-        resume = "; `--resume last` continues from the last checkpoint" if isinstance(exc, NonFiniteLoss) else ""
-        print(f"ember: error: {exc}{resume}", file=sys.stderr)
+        print(f"ember: error: {_as_command(exc, argv)}", file=sys.stderr)
         return EXIT_FAILED if failed else EXIT_MISTAKE
     except FileNotFoundError as exc:  # a data file the config names (relative paths: docs/your-data.md)
         if debug:
@@ -155,9 +155,48 @@ def _run_reporting(argv: Sequence[str] | None) -> int:
         print(f"ember: error: no such file: {exc.filename or exc} (from {Path.cwd()}, and beside the config file)",
               file=sys.stderr)  # fmt: skip
         return EXIT_MISTAKE
-    except KeyboardInterrupt:
-        print("ember: interrupted; `--resume last` continues from the last checkpoint", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"ember: {exc if isinstance(exc, Interrupted) else 'interrupted'}", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a fit, with what ``--resume last`` will do next (`resume_hint`) as its text."""
+
+
+def resume_hint(trainer: Trainer) -> str | None:
+    """What ``--resume last`` does after this fit stopped: continue its run from a checkpoint it names, or,
+    when the run has none yet, nothing (None when the run directory was not claimed yet)."""
+    from ember import checkpoint
+
+    run_dir = trainer.run_state.run_dir
+    if run_dir is None:
+        return None
+    found = checkpoint.newest_valid(run_dir / checkpoint.CHECKPOINT_SUBDIR, resumable=True)
+    if found is None:
+        return (
+            f"{run_dir} has no checkpoint yet, so there is nothing to resume; run the command again (without "
+            "--resume) to start over"
+        )
+    return f"`--resume last` continues {run_dir} from its checkpoint {found.name}"
+
+
+def _as_command(exc: Exception, argv: Sequence[str] | None) -> str:
+    """An error's line for the command: `NewestRunHasNoCheckpoint` with the exact commands that continue the
+    older run or start over (this command line, its ``--resume last`` replaced or dropped)."""
+    from ember.checkpoint import NewestRunHasNoCheckpoint
+
+    if not isinstance(exc, NewestRunHasNoCheckpoint):
+        return str(exc)
+    words = list(sys.argv[1:] if argv is None else argv)
+    at = next((i for i, w in enumerate(words) if w in ("--resume", "--ckpt") and i + 1 < len(words)), None)
+    flag = words[at] if at is not None else "--resume"
+    kept = words[:at] + words[at + 2 :] if at is not None else words
+    again = [*kept, flag, str(exc.older)]
+    return (
+        f"{flag} last: the newest run, {exc.newest} ({exc.how}), has no checkpoint; to continue {exc.older} from "
+        f"{exc.checkpoint}: `ember {shlex.join(again)}`; to start over: `ember {shlex.join(kept)}`"
+    )
 
 
 class _Interrupts:
@@ -234,8 +273,29 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
     trainer, module, data = build(resolved)
     if getattr(args, "run", None) is not None:
         ckpt_path = _checkpoint_of_run(trainer, module, args.command, ckpt_path, args.run)
-    run(args.command, trainer, module, data, ckpt_path)
+    from ember.trainer.numerics import NonFiniteLoss
+
+    try:
+        run(args.command, trainer, module, data, ckpt_path)
+    except KeyboardInterrupt:
+        if args.command != "fit":
+            raise
+        hint = _hint_despite_ctrl_c(trainer)
+        raise Interrupted(f"interrupted; {hint}" if hint else "interrupted before the run started") from None
+    except NonFiniteLoss as exc:
+        hint = _hint_despite_ctrl_c(trainer)
+        raise NonFiniteLoss(f"{exc}; {hint}" if hint else str(exc)) from exc
     return 0
+
+
+def _hint_despite_ctrl_c(trainer: Trainer) -> str | None:
+    """`resume_hint`, asked again when a further Ctrl-C (a second press, a held key) cuts the reading short."""
+    for _ in range(5):
+        try:
+            return resume_hint(trainer)
+        except KeyboardInterrupt:
+            continue
+    return None
 
 
 #: Options one subcommand has and another lacks: what to write instead, by subcommand kind.
