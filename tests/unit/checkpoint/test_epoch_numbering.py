@@ -48,3 +48,21 @@ def test_describe_names_the_epoch_of_the_checkpoint_name(tmp_path: Path) -> None
         epoch, step = re.search(r"epoch=(\d+)-step=(\d+)", name).groups()  # type: ignore[union-attr]
         assert ckpt.epoch_label(folder / name) == int(epoch), name
         assert ckpt.describe(folder / name) == f"epoch {epoch}, step {step}", name
+
+
+def test_counts_stay_counts_in_ember_runs_and_the_status_record(tmp_path: Path) -> None:
+    """``ember runs``' EPOCHS column and ``status.json`` count epochs completed: 3 for a run whose last
+    checkpoint is ``epoch=2-step=12`` (docs/cli.md says so beside the numbering)."""
+    from ember import runs
+    from ember.checkpoint import run_status
+
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(16, 2, generator=g), torch.randn(16, 1, generator=g)), batch_size=4)
+    trainer = ember.Trainer(max_epochs=3, default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False)  # fmt: skip
+    trainer.fit(Regressor(), data)
+    (last,) = ckpt.checkpoints_in(trainer.run_dir / ckpt.CHECKPOINT_SUBDIR)
+    assert last.name == "epoch=2-step=12" and ckpt.epoch_label(last) == 2
+    assert run_status.read_record(trainer.run_dir)["epoch"] == 3  # type: ignore[index]
+    listed = runs.describe(trainer.run_dir, tmp_path)
+    assert (listed["epochs"], listed["steps"]) == (3, 12)
