@@ -74,7 +74,7 @@ def test_the_first_hour(clone: tuple[Path, Path]) -> None:
     tested = ember("test", "-c", "configs/digits.yaml", "--ckpt-path", "best", cwd=checkout, site=site)
     assert tested.stderr.startswith(
         f"ember: test: loading the best checkpoint runs/classifier/version_0/checkpoints/{best} "
-        f"(epoch {best_epoch + 1}, step {19 * (best_epoch + 1)}, val/acc {val_acc[best_epoch]:.4f})"
+        f"(epoch {best_epoch}, step {19 * (best_epoch + 1)}, val/acc {val_acc[best_epoch]:.4f})"
     )
     record = json.loads((run / "eval" / f"test-{best}.json").read_text())
     assert f"test/acc {record['metrics']['test/acc']:.4f}" in tested.stdout
