@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import shlex
 import signal
 import sys
 import threading
@@ -31,6 +30,7 @@ from pathlib import Path
 from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any
 
+from ember import resuming
 from ember.commands import add_command, add_seed, build
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ def _run_reporting(argv: Sequence[str] | None) -> int:
         if debug:
             traceback.print_exc()
         failed = isinstance(exc, (CheckpointWriteError, NonFiniteLoss))
-        print(f"ember: error: {_as_command(exc, argv)}", file=sys.stderr)
+        print(f"ember: error: {resuming.as_command(exc, argv)}", file=sys.stderr)
         return EXIT_FAILED if failed else EXIT_MISTAKE
     except FileNotFoundError as exc:  # a data file the config names (relative paths: docs/your-data.md)
         if debug:
@@ -156,47 +156,8 @@ def _run_reporting(argv: Sequence[str] | None) -> int:
               file=sys.stderr)  # fmt: skip
         return EXIT_MISTAKE
     except KeyboardInterrupt as exc:
-        print(f"ember: {exc if isinstance(exc, Interrupted) else 'interrupted'}", file=sys.stderr)
+        print(f"ember: {exc if isinstance(exc, resuming.Interrupted) else 'interrupted'}", file=sys.stderr)
         return EXIT_INTERRUPTED
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during a fit, with what ``--resume last`` will do next (`resume_hint`) as its text."""
-
-
-def resume_hint(trainer: Trainer) -> str | None:
-    """What ``--resume last`` does after this fit stopped: continue its run from a checkpoint it names, or,
-    when the run has none yet, nothing (None when the run directory was not claimed yet)."""
-    from ember import checkpoint
-
-    run_dir = trainer.run_state.run_dir
-    if run_dir is None:
-        return None
-    found = checkpoint.newest_valid(run_dir / checkpoint.CHECKPOINT_SUBDIR, resumable=True)
-    if found is None:
-        return (
-            f"{run_dir} has no checkpoint yet, so there is nothing to resume; run the command again (without "
-            "--resume) to start over"
-        )
-    return f"`--resume last` continues {run_dir} from its checkpoint {found.name}"
-
-
-def _as_command(exc: Exception, argv: Sequence[str] | None) -> str:
-    """An error's line for the command: `NewestRunHasNoCheckpoint` with the exact commands that continue the
-    older run or start over (this command line, its ``--resume last`` replaced or dropped)."""
-    from ember.checkpoint import NewestRunHasNoCheckpoint
-
-    if not isinstance(exc, NewestRunHasNoCheckpoint):
-        return str(exc)
-    words = list(sys.argv[1:] if argv is None else argv)
-    at = next((i for i, w in enumerate(words) if w in ("--resume", "--ckpt") and i + 1 < len(words)), None)
-    flag = words[at] if at is not None else "--resume"
-    kept = words[:at] + words[at + 2 :] if at is not None else words
-    again = [*kept, flag, str(exc.older)]
-    return (
-        f"{flag} last: the newest run, {exc.newest} ({exc.how}), has no checkpoint; to continue {exc.older} from "
-        f"{exc.checkpoint}: `ember {shlex.join(again)}`; to start over: `ember {shlex.join(kept)}`"
-    )
 
 
 class _Interrupts:
@@ -280,22 +241,12 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
     except KeyboardInterrupt:
         if args.command != "fit":
             raise
-        hint = _hint_despite_ctrl_c(trainer)
-        raise Interrupted(f"interrupted; {hint}" if hint else "interrupted before the run started") from None
+        hint = resuming.hint_despite_ctrl_c(trainer)
+        raise resuming.Interrupted(f"interrupted; {hint}" if hint else "interrupted before the run started") from None
     except NonFiniteLoss as exc:
-        hint = _hint_despite_ctrl_c(trainer)
+        hint = resuming.hint_despite_ctrl_c(trainer)
         raise NonFiniteLoss(f"{exc}; {hint}" if hint else str(exc)) from exc
     return 0
-
-
-def _hint_despite_ctrl_c(trainer: Trainer) -> str | None:
-    """`resume_hint`, asked again when a further Ctrl-C (a second press, a held key) cuts the reading short."""
-    for _ in range(5):
-        try:
-            return resume_hint(trainer)
-        except KeyboardInterrupt:
-            continue
-    return None
 
 
 #: Options one subcommand has and another lacks: what to write instead, by subcommand kind.
