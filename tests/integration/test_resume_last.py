@@ -116,6 +116,12 @@ def test_resume_last_refuses_to_continue_an_older_run_when_the_newest_has_no_che
     assert "fit done in" in out.out and "(3 epochs, 9 steps)" in out.out and "run dir runs/net/version_0" in out.out
     assert sorted(p.name for p in (project / "runs" / "net").iterdir()) == before
 
+    # a run directory names that run's newest checkpoint for the evaluations too, which write into that run
+    assert cli("test", "-c", "net.yaml", "--ckpt-path", "runs/net/version_0") == 0
+    newest = "runs/net/version_0/checkpoints/epoch=2-step=9"
+    assert capsys.readouterr().err.splitlines()[0].startswith(f"ember: test: loading {newest} (epoch 2, step 9, ")
+    assert (project / "runs/net/version_0/eval/test-epoch=2-step=9.json").is_file()
+
 
 def test_resume_last_continues_the_newest_fit_and_passes_over_runs_that_are_not_fits(
     project: Path, capsys: pytest.CaptureFixture[str]
