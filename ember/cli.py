@@ -30,6 +30,7 @@ from pathlib import Path
 from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any
 
+from ember import resuming
 from ember.commands import add_command, add_seed, build
 
 if TYPE_CHECKING:
@@ -146,8 +147,7 @@ def _run_reporting(argv: Sequence[str] | None) -> int:
         if debug:
             traceback.print_exc()
         failed = isinstance(exc, (CheckpointWriteError, NonFiniteLoss))
-        resume = "; `--resume last` continues from the last checkpoint" if isinstance(exc, NonFiniteLoss) else ""
-        print(f"ember: error: {exc}{resume}", file=sys.stderr)
+        print(f"ember: error: {resuming.as_command(exc, argv)}", file=sys.stderr)
         return EXIT_FAILED if failed else EXIT_MISTAKE
     except FileNotFoundError as exc:  # a data file the config names (relative paths: docs/your-data.md)
         if debug:
@@ -155,8 +155,8 @@ def _run_reporting(argv: Sequence[str] | None) -> int:
         print(f"ember: error: no such file: {exc.filename or exc} (from {Path.cwd()}, and beside the config file)",
               file=sys.stderr)  # fmt: skip
         return EXIT_MISTAKE
-    except KeyboardInterrupt:
-        print("ember: interrupted; `--resume last` continues from the last checkpoint", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"ember: {exc if isinstance(exc, resuming.Interrupted) else 'interrupted'}", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
@@ -234,7 +234,18 @@ def _main(args: argparse.Namespace, overrides: list[str]) -> int:
     trainer, module, data = build(resolved)
     if getattr(args, "run", None) is not None:
         ckpt_path = _checkpoint_of_run(trainer, module, args.command, ckpt_path, args.run)
-    run(args.command, trainer, module, data, ckpt_path)
+    from ember.trainer.numerics import NonFiniteLoss
+
+    try:
+        run(args.command, trainer, module, data, ckpt_path)
+    except KeyboardInterrupt:
+        if args.command != "fit":
+            raise
+        hint = resuming.hint_despite_ctrl_c(trainer)
+        raise resuming.Interrupted(f"interrupted; {hint}" if hint else "interrupted before the run started") from None
+    except NonFiniteLoss as exc:
+        hint = resuming.hint_despite_ctrl_c(trainer)
+        raise NonFiniteLoss(f"{exc}; {hint}" if hint else str(exc)) from exc
     return 0
 
 

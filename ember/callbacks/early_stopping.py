@@ -172,7 +172,7 @@ class EarlyStopping(Callback):
             self.stopping_reason = reason
             if self.verbose and trainer.is_global_zero:
                 print(
-                    f"EarlyStopping: {reason}; stopping after epoch {trainer.current_epoch + 1}",
+                    f"EarlyStopping: {reason}; stopping after epoch {trainer.current_epoch}",
                     file=self.stream or sys.stdout,
                     flush=True,
                 )

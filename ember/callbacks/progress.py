@@ -86,8 +86,10 @@ class ProgressLine(Callback):
         print(text, file=self.stream or sys.stdout, flush=True)
 
     def _prefix(self, trainer: Trainer) -> str:
-        total = f"/{trainer.max_epochs}" if trainer.max_epochs is not None else ""
-        return f"epoch {trainer.current_epoch + 1}{total}  step {trainer.global_step}"
+        # Epochs are numbered from 0, as in checkpoint names (epoch=0-step=5); "/N" names the last one, as
+        # Lightning's bars do: "epoch 0/1" then "epoch 1/1" for max_epochs=2.
+        last = f"/{trainer.max_epochs - 1}" if trainer.max_epochs is not None else ""
+        return f"epoch {trainer.current_epoch}{last}  step {trainer.global_step}"
 
     def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
         """Print only on the global-zero process."""

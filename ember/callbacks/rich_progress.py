@@ -130,13 +130,13 @@ class RichProgressBar(Callback):
         """Reset the training bar for the new epoch."""
         if self._progress is None or self._train_task is None:
             return
-        of = f"/{trainer.max_epochs}" if trainer.max_epochs is not None else ""
+        of = f"/{trainer.max_epochs - 1}" if trainer.max_epochs is not None else ""  # numbered from 0: the last
         self._train_done = 0
         self._train_left = False
         self._progress.reset(
             self._train_task,
             total=self._total(trainer.epoch_plan.num_batches),
-            description=f"Epoch {trainer.current_epoch + 1}{of}",
+            description=f"Epoch {trainer.current_epoch}{of}",
         )
 
     def on_train_batch_end(

@@ -20,6 +20,7 @@ from typing import Any
 from ember.checkpoint.files import is_plain_name, read_regular
 from ember.checkpoint.format import LAST_FILE, META_FILE, CheckpointError
 from ember.checkpoint.reading import check_complete, read_meta
+from ember.checkpoint.run_status import read_status
 
 #: The folder of a run directory that ``ModelCheckpoint`` writes to by default.
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -273,14 +274,87 @@ def recorded_best(checkpoint: Path) -> tuple[str, str, Any] | None:
     return None
 
 
+def epoch_label(checkpoint: Path) -> int | None:
+    """The 0-based number of the epoch `checkpoint` was written in, the one its default name shows
+    (``epoch=3-step=69``): a checkpoint written at an epoch's end records the epochs completed (4), one
+    written inside an epoch the index of that epoch. None when the metadata does not say."""
+    try:
+        progress = read_meta(checkpoint)["state"].get("progress", {})
+    except CheckpointError:
+        return None
+    epoch, batch = (progress.get("epoch"), progress.get("batch_idx")) if isinstance(progress, dict) else (None, None)
+    if not isinstance(epoch, int) or not isinstance(batch, int):
+        return None
+    return epoch - 1 if batch == 0 and epoch > 0 else epoch
+
+
 def describe(checkpoint: Path) -> str:
-    """`summarize` as text: ``"epoch 3, step 69, val/acc 0.9583"``."""
+    """`summarize` as text, the epoch numbered from 0 as in checkpoint names (`epoch_label`):
+    ``"epoch 3, step 69, val/acc 0.9583"`` for ``epoch=3-step=69``."""
     summary = summarize(checkpoint)
     if not summary:
         return "unreadable metadata"
-    parts = [f"epoch {summary.get('epoch', '?')}", f"step {summary.get('global_step', '?')}"]
+    label = epoch_label(checkpoint)
+    parts = [f"epoch {'?' if label is None else label}", f"step {summary.get('global_step', '?')}"]
     parts += [f"{name} {value:.4f}" for name, value in summary["monitored"].items()]
     return ", ".join(parts)
+
+
+#: The commands whose runs ``last`` looks at (`ember.checkpoint.run_status`); a run without a record counts.
+_FIT_COMMANDS = ("fit", "sweep trial")
+
+
+def is_fit_run(run_dir: Path) -> bool:
+    """Whether `run_dir` is a fit's (its ``status.json`` says so, or it has none): an lr finder's or an
+    evaluation's run is not, and ``last`` passes it over."""
+    record = read_status(run_dir)
+    return record is None or record.get("command") in _FIT_COMMANDS
+
+
+class NewestRunHasNoCheckpoint(CheckpointError):
+    """``ckpt_path="last"`` for fit, when the newest fit of the run name has no checkpoint but an older one has:
+    continuing the older run silently would extend the wrong run. Names both runs and the older checkpoint."""
+
+    def __init__(self, newest: Path, how: str, older: Path, checkpoint: Path) -> None:
+        self.newest, self.how, self.older, self.checkpoint = newest, how, older, checkpoint
+        super().__init__(
+            f"ckpt_path='last': the newest run, {newest} ({how}), has no checkpoint; to continue {older} from "
+            f"{checkpoint}, pass ckpt_path='{older}' (its run directory); to start over, no ckpt_path"
+        )
+
+
+def _how_it_ended(run_dir: Path) -> str:
+    """``"stopped: interrupted"``, ``"failed: RuntimeError"``, ``"finished"``: from the run's status record."""
+    record = read_status(run_dir) or {}
+    status, reason = record.get("status", "no status record"), record.get("reason")
+    return f"{status}: {reason}" if isinstance(reason, str) and reason else str(status)
+
+
+def _last_of_fit(folders: list[Path], versions: list[Path]) -> tuple[Path, Path | None] | None:
+    """`find_last` for fit: the explicit `folders` first, then the newest of the fit runs `versions` alone.
+    Raises `NewestRunHasNoCheckpoint` when that run has no checkpoint and an older one has."""
+    found = find_last(folders, [], resumable=True)
+    if found is not None or not versions:
+        return found
+    found = find_last([], versions[:1], resumable=True)
+    if found is not None:
+        return found
+    older = find_last([], versions[1:], resumable=True)
+    if older is None:
+        return None
+    checkpoint, run_dir = older
+    assert run_dir is not None
+    raise NewestRunHasNoCheckpoint(versions[0], _how_it_ended(versions[0]), run_dir, checkpoint)
+
+
+def _continue_run(run_dir: Path, stage: str) -> tuple[Path, Path | None, str]:
+    """A run directory given as the checkpoint: its newest complete checkpoint; fit continues that run."""
+    found = newest_valid(run_dir / CHECKPOINT_SUBDIR, resumable=stage == "fit")
+    if found is None:
+        raise CheckpointError(f"{run_dir} is a run directory without a complete checkpoint; nothing to load from it")
+    if stage == "fit":
+        return found, run_dir, f"resuming run {run_dir} from {found} ({describe(found)})"
+    return found, run_dir, f"{stage}: loading {found} ({describe(found)})"
 
 
 def _across_runs(which: str, run_dir: Path | None, run_root: Path, stage: str) -> str:
@@ -307,8 +381,10 @@ def resolve_ckpt_path(
 
     ``"last"``: the newest complete checkpoint of `run_root`'s versions (only of version `run` when given;
     the explicit checkpoint `folders` first); for `stage` "fit", one that can resume training, and its run
-    directory is continued (no checkpoint: None, and fit starts a new run, saying so). ``"best"``:
-    `find_best`. Anything else is a checkpoint directory or a ``last`` file.
+    directory is continued (no checkpoint: None, and fit starts a new run, saying so). Only fit runs count
+    (`is_fit_run`), and fit looks at the newest one alone: when it has no checkpoint while an older run has,
+    `NewestRunHasNoCheckpoint`. ``"best"``: `find_best`. A run directory (``runs/net/version_0``): its
+    newest checkpoint, and fit continues that run. Anything else is a checkpoint directory or a ``last`` file.
 
     fit continues the run only for ``"last"``; any other checkpoint starts a new version. validate, test
     and predict of a checkpoint inside a run directory write into that run (`run_dir_of`). The line says
@@ -322,7 +398,12 @@ def resolve_ckpt_path(
             raise CheckpointError(f"--run {run}: no such run under {run_root} (runs there: {names})")
         versions, folders = [chosen], []
     if ckpt_path == "last":
-        found = find_last(folders, versions, resumable=stage == "fit")
+        if run is None:
+            versions = [v for v in versions if is_fit_run(v)]
+        if stage == "fit" and run is None:
+            found = _last_of_fit(folders, versions)
+        else:
+            found = find_last(folders, versions, resumable=stage == "fit")
         if found is None:
             if stage != "fit":
                 where = versions[0] if run else run_root
@@ -340,7 +421,10 @@ def resolve_ckpt_path(
         run_dir = run_dir_of(path)
         across = "" if run is not None or known_best else _across_runs("best", run_dir, run_root, stage)
         return path, run_dir, f"{stage}: loading the best checkpoint {path} ({describe(path)}){across}"
-    path = resolve_path(Path(ckpt_path))
+    given = Path(ckpt_path)
+    if given.is_dir() and not (given / META_FILE).exists() and (given / CHECKPOINT_SUBDIR).is_dir():
+        return _continue_run(given, stage)
+    path = resolve_path(given)
     if stage == "fit":
         return path, None, f"resuming from {path} ({describe(path)}) in a new run"
     return path, run_dir_of(path), f"{stage}: loading {path} ({describe(path)})"

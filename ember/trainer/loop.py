@@ -123,9 +123,10 @@ class FitState:
 
 
 def stop_point(state: FitState, max_epochs: int | None, max_steps: int) -> str:
-    """Where a fit stands against its stop conditions: ``"epoch 20/20"`` or ``"step 500/500"``."""
+    """Where a fit stands against its stop conditions: ``"20/20 epochs done"`` or ``"step 500/500"`` (counts),
+    else the current epoch, numbered from 0 as in checkpoint names: ``"epoch 3, step 69"``."""
     if max_epochs is not None and state.epoch >= max_epochs:
-        return f"epoch {state.epoch}/{max_epochs}"
+        return f"{state.epoch}/{max_epochs} epochs done"
     if 0 <= max_steps <= state.global_step:
         return f"step {state.global_step}/{max_steps}"
     return f"epoch {state.epoch}, step {state.global_step}"

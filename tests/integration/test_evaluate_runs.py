@@ -86,7 +86,8 @@ def test_evaluation_writes_into_the_run_of_its_checkpoint(project: Path, capsys:
     (ckpt1,) = [p for p in (runs / "version_1" / "checkpoints").iterdir() if p.is_dir()]
     assert err.splitlines()[0] == (
         f"ember: test: loading the best checkpoint {Path('runs/net/version_1/checkpoints') / ckpt1.name} "
-        f"(epoch 1, step 5, val/acc {float(best1['val/acc']):.4f}); 'best' is taken from version_1, the newest of "
+        f"(epoch {ckpt1.name.split('-')[0].removeprefix('epoch=')}, step 5, val/acc {float(best1['val/acc']):.4f}); "
+        "'best' is taken from version_1, the newest of "
         f"the 2 runs under runs/net that has a checkpoint (choose another run with --run version_N)"
     )
     assert "resum" not in out + err
@@ -102,7 +103,7 @@ def test_evaluation_writes_into_the_run_of_its_checkpoint(project: Path, capsys:
     name = f"epoch={int(best0['epoch'])}-step={step}"
     assert err.splitlines()[0] == (
         f"ember: test: loading {Path('runs/net/version_0/checkpoints') / name} "
-        f"(epoch {int(best0['epoch']) + 1}, step {step}, val/acc {float(best0['val/acc']):.4f})"
+        f"(epoch {int(best0['epoch'])}, step {step}, val/acc {float(best0['val/acc']):.4f})"
     )
     record = json.loads((runs / "version_0" / "eval" / f"test-{name}.json").read_text())
     assert record["checkpoint"] == str(Path("runs/net/version_0/checkpoints") / name)
@@ -193,7 +194,7 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_do(project: Path, caps
     assert ember(capsys, "fit", "-c", "net.yaml", "trainer.max_epochs=2")[0] == 0
     code, out, err = ember(capsys, "fit", "-c", "net.yaml", "trainer.max_epochs=2", "--resume", "last")
     assert code == 0, err
-    assert "ember: this run already finished (epoch 2/2); nothing to do" in err.splitlines()
+    assert "ember: this run already finished (2/2 epochs done); nothing to do" in err.splitlines()
     assert (
         out.strip()
         .splitlines()[-1]

@@ -74,7 +74,7 @@ def test_the_first_hour(clone: tuple[Path, Path]) -> None:
     tested = ember("test", "-c", "configs/digits.yaml", "--ckpt-path", "best", cwd=checkout, site=site)
     assert tested.stderr.startswith(
         f"ember: test: loading the best checkpoint runs/classifier/version_0/checkpoints/{best} "
-        f"(epoch {best_epoch + 1}, step {19 * (best_epoch + 1)}, val/acc {val_acc[best_epoch]:.4f})"
+        f"(epoch {best_epoch}, step {19 * (best_epoch + 1)}, val/acc {val_acc[best_epoch]:.4f})"
     )
     record = json.loads((run / "eval" / f"test-{best}.json").read_text())
     assert f"test/acc {record['metrics']['test/acc']:.4f}" in tested.stdout
@@ -91,13 +91,13 @@ def test_the_first_hour(clone: tuple[Path, Path]) -> None:
     # 4. resume to 4 epochs: the same run continues; then there is nothing left to do
     resumed = ember("fit", "-c", "configs/digits.yaml", "trainer.max_epochs=4", "--resume", "last",
                     cwd=checkout, site=site)  # fmt: skip
-    assert "ember: resuming from runs/classifier/version_0/checkpoints/epoch=2-step=57 (epoch 3, step 57" in (
+    assert "ember: resuming from runs/classifier/version_0/checkpoints/epoch=2-step=57 (epoch 2, step 57" in (
         resumed.stderr
     )
     assert "(4 epochs, 76 steps)" in resumed.stdout
     again = ember("fit", "-c", "configs/digits.yaml", "trainer.max_epochs=4", "--resume", "last",
                   cwd=checkout, site=site)  # fmt: skip
-    assert "ember: this run already finished (epoch 4/4); nothing to do" in again.stderr.splitlines()
+    assert "ember: this run already finished (4/4 epochs done); nothing to do" in again.stderr.splitlines()
 
     # the run directory a user finds afterwards
     assert sorted(p.name for p in (checkout / "runs" / "classifier").iterdir()) == ["version_0"]

@@ -77,7 +77,8 @@ def test_a_last_that_is_not_a_pointer_file_is_refused_before_training_or_replace
         assert (pointer / "notes.txt").read_text() == "mine"
         return
     assert code == 0, err
-    assert f"resuming from {newest.relative_to(project)} (epoch 2, step 6)" in err, err
+    assert newest.name == "epoch=1-step=6"  # the epoch in messages is the one in the name, numbered from 0
+    assert f"resuming from {newest.relative_to(project)} (epoch 1, step 6)" in err, err
     skipped = [str(w.message) for w in caught if "skipping checkpoint" in str(w.message)]
     assert skipped and f"checkpoint pointer {shown} " in skipped[0], skipped
     if "link" in damage:

@@ -164,8 +164,9 @@ def test_mid_epoch_validation_checks_count_and_stop_skips_the_rest_of_the_epoch(
 def test_verbose_prints_the_reason() -> None:
     stream = io.StringIO()
     run([1.0, 2.0, 3.0], EarlyStopping("val/loss", patience=2, verbose=True, stream=stream))
+    # the third epoch is epoch 2: numbered from 0, as in checkpoint names
     assert stream.getvalue() == (
-        "EarlyStopping: val/loss did not improve by more than 0 for 2 checks; best 1; stopping after epoch 3\n"
+        "EarlyStopping: val/loss did not improve by more than 0 for 2 checks; best 1; stopping after epoch 2\n"
     )
 
 

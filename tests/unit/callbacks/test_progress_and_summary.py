@@ -44,10 +44,11 @@ def test_progress_lines_per_epoch_and_inside(tmp_path) -> None:  # type: ignore[
     trainer.fit(Regressor(), loader(), loader(8))
     lines = stream.getvalue().splitlines()
     assert [line.split("  train/loss")[0] for line in lines] == [
-        "epoch 1/2  step 2  batch 2/4",
-        "epoch 1/2  step 4",  # the epoch line covers the last batch
-        "epoch 2/2  step 6  batch 2/4",
-        "epoch 2/2  step 8",
+        # numbered from 0 as in checkpoint names (epoch=0-step=4), "/1" the last epoch's number, as in Lightning
+        "epoch 0/1  step 2  batch 2/4",
+        "epoch 0/1  step 4",  # the epoch line covers the last batch
+        "epoch 1/1  step 6  batch 2/4",
+        "epoch 1/1  step 8",
     ]
     last = trainer.progress_bar_metrics
     assert set(last) == {"train/loss", "val/loss"}
@@ -90,10 +91,10 @@ def test_progress_lines_every_n_percent() -> None:
     lines = stream.getvalue().splitlines()
     # 25 % of 10 batches: after batches 3 (2.5 rounded up), 5 and 8; batch 10 is the epoch line
     assert [line.split("  train/loss")[0] for line in lines] == [
-        "epoch 1/1  step 3  batch 3/10",
-        "epoch 1/1  step 5  batch 5/10",
-        "epoch 1/1  step 8  batch 8/10",
-        "epoch 1/1  step 10",
+        "epoch 0/0  step 3  batch 3/10",
+        "epoch 0/0  step 5  batch 5/10",
+        "epoch 0/0  step 8  batch 8/10",
+        "epoch 0/0  step 10",
     ]
     assert re.search(r"\[[\d.e+]+ batches/s, 0:0\d left\]$", lines[0])
 
@@ -120,18 +121,18 @@ def _lines_of_a_slow_fit(monkeypatch: pytest.MonkeyPatch, **trainer_options: Any
 
 def test_progress_lines_every_n_seconds_with_rate_and_time_left(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _lines_of_a_slow_fit(monkeypatch, max_epochs=1) == [
-        "epoch 1/1  step 3  batch 3/10  L  [0.1 batches/s, 1:10 left]",
-        "epoch 1/1  step 6  batch 6/10  L  [0.1 batches/s, 0:40 left]",
-        "epoch 1/1  step 9  batch 9/10  L  [0.1 batches/s, 0:10 left]",
-        "epoch 1/1  step 10  L  (100.00s)",
+        "epoch 0/0  step 3  batch 3/10  L  [0.1 batches/s, 1:10 left]",
+        "epoch 0/0  step 6  batch 6/10  L  [0.1 batches/s, 0:40 left]",
+        "epoch 0/0  step 9  batch 9/10  L  [0.1 batches/s, 0:10 left]",
+        "epoch 0/0  step 10  L  (100.00s)",
     ]
 
 
 def test_time_left_counts_only_the_batches_max_steps_allows(monkeypatch: pytest.MonkeyPatch) -> None:
     """max_steps=7 ends the run at batch 7 of 10: the time left counts 7 - done batches, not the epoch's."""
     assert _lines_of_a_slow_fit(monkeypatch, max_steps=7)[:2] == [
-        "epoch 1  step 3  batch 3/10  L  [0.1 batches/s, 0:40 left]",
-        "epoch 1  step 6  batch 6/10  L  [0.1 batches/s, 0:10 left]",
+        "epoch 0  step 3  batch 3/10  L  [0.1 batches/s, 0:40 left]",
+        "epoch 0  step 6  batch 6/10  L  [0.1 batches/s, 0:10 left]",
     ]
 
 
@@ -143,7 +144,7 @@ def test_plain_lines_are_the_default_off_a_terminal(capsys: pytest.CaptureFixtur
     lines = out.splitlines()
     assert lines[0].split() == ["name", "type", "params", "trainable"]  # the plain summary first
     epoch_lines = [line for line in lines if line.startswith("epoch ")]
-    assert [line.split("  train/loss")[0] for line in epoch_lines] == ["epoch 1/2  step 4", "epoch 2/2  step 8"]
+    assert [line.split("  train/loss")[0] for line in epoch_lines] == ["epoch 0/1  step 4", "epoch 1/1  step 8"]
     assert all(re.search(r"val/loss [\d.]+  \(\d+\.\d\ds\)$", line) for line in epoch_lines)
 
 
