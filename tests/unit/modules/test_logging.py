@@ -376,22 +376,22 @@ def test_log_every_n_steps_controls_csv_rows(tmp_path):
     assert logger.metrics_path == path
     rows = read_csv(path)
 
-    # Step rows after optimizer steps 2, 4, 6, 8, 10 (global_step after the step), carrying the value
-    # logged in the step that made it; epoch rows at the end of each epoch (global_step 5 and 10).
+    # Step rows after optimizer steps 2, 4, 6, 8, 10, at Lightning's steps (the steps before: 1, 3, ...), carrying
+    # the value logged in the step that made it; epoch rows at the end of each epoch (its last step's row, 4 and 9).
     step_rows = [r for r in rows if r["train/v"] != ""]
     epoch_rows = [r for r in rows if r["train/e"] != ""]
     assert len(rows) == len(step_rows) + len(epoch_rows)
     assert [(int(r["step"]), int(r["epoch"]), float(r["train/v"])) for r in step_rows] == [
-        (2, 0, 1.0),
-        (4, 0, 3.0),
-        (6, 1, 100.0),
-        (8, 1, 102.0),
-        (10, 1, 104.0),
+        (1, 0, 1.0),
+        (3, 0, 3.0),
+        (5, 1, 100.0),
+        (7, 1, 102.0),
+        (9, 1, 104.0),
     ]
     # column 0 is 0..19: its weighted mean over the epoch is 9.5
     assert [(int(r["step"]), int(r["epoch"]), float(r["train/e"])) for r in epoch_rows] == [
-        (5, 0, 9.5),
-        (10, 1, 9.5),
+        (4, 0, 9.5),
+        (9, 1, 9.5),
     ]
     assert trainer.logged_metrics["train/v"] == 104.0
     assert trainer.logged_metrics["train/e"] == pytest.approx(9.5)
@@ -416,8 +416,8 @@ def test_log_every_n_steps_row_steps(tmp_path, every, steps):
         assert not logger.metrics_path.exists() or read_csv(logger.metrics_path) == []
         return
     rows = read_csv(logger.metrics_path)
-    assert [int(r["step"]) for r in rows] == steps
-    assert [float(r["train/step_seen"]) for r in rows] == [s - 1 for s in steps]
+    assert [int(r["step"]) for r in rows] == [s - 1 for s in steps]  # optimizer step s: row s - 1, as in Lightning
+    assert [float(r["train/step_seen"]) for r in rows] == [s - 1 for s in steps]  # the row's step: global_step then
 
 
 def test_val_metrics_go_to_the_logger(tmp_path):
@@ -436,8 +436,8 @@ def test_val_metrics_go_to_the_logger(tmp_path):
     trainer.fit(Recorder(val_log=val_log), loader(), loader())
     rows = read_csv(logger.metrics_path)
     assert [(int(r["step"]), int(r["epoch"]), float(r["val/x0"])) for r in rows] == [
-        (3, 0, WEIGHTED_MEAN),
-        (6, 1, WEIGHTED_MEAN),
+        (2, 0, WEIGHTED_MEAN),  # after optimizer step 3: its row
+        (5, 1, WEIGHTED_MEAN),
     ]
 
 
