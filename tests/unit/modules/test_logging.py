@@ -502,3 +502,26 @@ def test_logging_does_not_call_item(monkeypatch):
     assert trainer.global_step == 6
     assert trainer.callback_metrics["train/x0_epoch"] == pytest.approx(10.5)  # max of batch means
     assert trainer.callback_metrics["val/mean"] == pytest.approx(5.5)
+
+
+def test_logged_metrics_hold_the_latest_values_meant_for_loggers_even_unsent(tmp_path):
+    """As in Lightning: a value logged between two ``log_every_n_steps`` (or with ``logger=False`` on the trainer)
+    is in ``trainer.logged_metrics``; one logged with ``self.log(..., logger=False)`` never is."""
+
+    def train_log(m, batch, batch_idx, loss):
+        m.log("train/seen", float(m.global_step))
+        m.log("train/hidden", 1.0, logger=False)
+
+    for logger in (False, CSVLogger(save_dir=tmp_path / "x")):
+        trainer = ember.Trainer(
+            max_epochs=1,
+            log_every_n_steps=50,  # 3 steps: nothing is sent
+            logger=logger,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+        trainer.fit(Recorder(train_log=train_log), loader())
+        assert trainer.logged_metrics == {"train/seen": 2.0}, logger  # the last step's value (global_step 2 then)
+        assert trainer.callback_metrics["train/hidden"] == 1.0
+    assert not (tmp_path / "x" / "metrics.csv").exists() or read_csv(tmp_path / "x" / "metrics.csv") == []
