@@ -365,7 +365,7 @@ def run(command: str, trainer: Trainer, module: TrainingModule, data: DataModule
         where = _count(len(results), "dataloader")
     shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
     if not shown:
-        finished = command == "fit" and trainer.ckpt_path is not None and not trainer.logged_metrics
+        finished = command == "fit" and trainer.progress.resumed_finished
         shown = _NOTHING_TO_DO if finished else "no metrics"
     elapsed = time.perf_counter() - start
     if trainer.is_global_zero:

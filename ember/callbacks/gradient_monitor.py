@@ -98,4 +98,4 @@ class ParameterHistograms(Callback):
                 values[f"weights/{name}"] = _local(p.detach())
             if self.grads and p.grad is not None:
                 values[f"grads/{name}"] = _local(p.grad.detach())
-        trainer.run_state.logger_guard.log_histograms(due, values, step)
+        trainer.run_state.logger_guard.log_histograms(due, values, trainer.global_step)  # the step's row

@@ -73,7 +73,7 @@ class Logger:
         return self
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Write metrics logged at optimizer step `step`.
+        """Write metrics logged at `step` (Lightning's axis: in fit, optimizer step N's row is step N - 1).
 
         The trainer calls a logger from a thread of its own (`ember.loggers.guard`), one call at a time and in
         order; a call that raises must leave what the logger was given before it still queued (a later `save`

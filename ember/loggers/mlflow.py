@@ -51,7 +51,8 @@ class MLflowLogger(Logger):
       hyperparameters), flattened to dotted keys (``trainer.max_epochs``,
       ``module.lr``); names that look like credentials are left out. The same
       config is stored as the artifact ``config.yaml``.
-    - **Metrics**: every logged value at its optimizer step. They are queued and
+    - **Metrics**: every logged value at its step (Lightning's axis: in fit, optimizer
+      step N is logged at N - 1; docs/monitoring.md). They are queued and
       sent in one ``log_batch`` at the next `save` (epoch ends, before each
       checkpoint, at the end), so a training step never waits for the store.
     - **Checkpoints**: after each checkpoint the tag ``ember.last_checkpoint`` names
@@ -276,7 +277,7 @@ class MLflowLogger(Logger):
             self.finalize("success")
         self._run_id = run_id
         self._resumed_at = int(state.get("step", 0))
-        self._queued = [m for m in self._queued if m.step <= self._resumed_at]
+        self._queued = [m for m in self._queued if m.step < self._resumed_at]  # step N is logged at N - 1
 
     def _require_run(self) -> str:
         assert self._run_id is not None  # `experiment` started it

@@ -149,8 +149,10 @@ class TensorBoardLogger(Logger):
             self._events = None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue a run: events logged after ``state["step"]`` are purged when writing resumes."""
-        self._purge_step = int(state["step"]) + 1
+        """Continue a run: events the checkpoint does not cover are purged when writing resumes. The run logs
+        optimizer step N at step N - 1 (Lightning's axis), so a checkpoint at ``state["step"]`` covers the events
+        before that step."""
+        self._purge_step = int(state["step"])
         self._queued = [queued for queued in self._queued if queued[0] < self._purge_step]  # the rest is purged
         self._close()  # the next write opens a new file that starts with the purge marker
 

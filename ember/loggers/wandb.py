@@ -39,7 +39,8 @@ class WandbLogger(Logger):
       resumed fit calls `load_state_dict` and continues the same run
       (``wandb.init(id=..., resume="allow")``). A later test/predict on the same
       trainer continues it too.
-    - Metrics are plotted against ``trainer/global_step`` (the optimizer step),
+    - Metrics are plotted against ``trainer/global_step`` (Lightning's axis: in fit,
+      optimizer step N is logged at N - 1),
       so W&B's own step counter never rejects a resumed run's values.
     - The hyperparameters (the resolved config of a YAML run) go to
       ``wandb.config``; names that look like credentials are left out.

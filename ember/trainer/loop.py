@@ -81,6 +81,7 @@ class FitState:
       step boundary once ``min_epochs`` / ``min_steps`` are done.
     - ``sanity_checking``: whether the sanity-check validation runs.
     - ``window_has_grads``: whether the open accumulation window has gradients no optimizer step used yet.
+    - ``resumed_finished``: whether the most recent fit resumed a run that had already finished (nothing to do).
     """
 
     epoch: int = 0
@@ -91,6 +92,7 @@ class FitState:
     should_stop: bool = False
     sanity_checking: bool = False
     window_has_grads: bool = False
+    resumed_finished: bool = False
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -110,7 +112,7 @@ class FitState:
 
     def begin_run(self) -> None:
         """A new fit/validate/test/predict: no stop asked for yet."""
-        self.should_stop, self.stop_reason = False, None
+        self.should_stop, self.stop_reason, self.resumed_finished = False, None, False
 
     def add_gradients(self) -> None:
         """A backward ran inside the open accumulation window."""
@@ -224,6 +226,7 @@ class FitLoop:
         epoch opens (`open_epoch`)."""
         self.resumed_from, self.resume_state = path, rank_state
         self.epoch_start_state = rank_state.get("epoch_start")
+        self.state.resumed_finished = self.is_done()
 
     def distribute(self, train_loader: Any, val_loaders: list[Any]) -> None:
         """Take these loaders (distributed by the strategy) and plan the epoch over them."""

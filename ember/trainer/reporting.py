@@ -73,8 +73,23 @@ class Reporter:
         merged = {**self.epoch_metrics, **self.train_collector.step_values}
         return to_floats({k: v for k, v in merged.items() if k in names})
 
+    def logger_step(self) -> int:
+        """The step the loggers get, Lightning's axis: inside fit, the optimizer steps taken *before* the one that
+        logged (the first step's row is step 0, an epoch end's is its last step's); outside fit (validate, test
+        after fit), the optimizer steps taken."""
+        steps = self.trainer.progress.global_step
+        return max(steps - 1, 0) if self.trainer.stage == "fit" else steps
+
+    def logged_metrics(self) -> dict[str, float]:
+        """What ``trainer.logged_metrics`` shows, as in Lightning: the values sent to the loggers, updated with the
+        latest values meant for them that were not sent yet (a step between two ``log_every_n_steps``, a run with
+        ``logger=False``)."""
+        hidden = self.train_collector.not_for_loggers | self.eval_collector.not_for_loggers
+        latest = {k: v for k, v in {**self.epoch_metrics, **self.step_metrics()}.items() if k not in hidden}
+        return {**self.logged, **to_floats(latest)}
+
     def log_metrics(self, metrics: dict[str, Any]) -> None:
-        """Send `metrics` to every logger at the current step (process 0 only)."""
+        """Send `metrics` to every logger at `logger_step` (process 0 only)."""
         trainer = self.trainer
         trainer.finite_guard.check()  # the loggers are about to sync anyway
         if not metrics or not trainer.loggers or not trainer.is_global_zero:
@@ -87,7 +102,7 @@ class Reporter:
         floats = to_floats(metrics)
         self.logged.update(floats)
         floats["epoch"] = trainer.progress.epoch
-        trainer.run_state.logger_guard.log_metrics(floats, trainer.progress.global_step)  # never waits
+        trainer.run_state.logger_guard.log_metrics(floats, self.logger_step())  # never waits
 
     def log_epoch_metrics(self, metrics: dict[str, Any]) -> None:
         """Keep `metrics` as the latest epoch aggregates, log them, and let the loggers save."""

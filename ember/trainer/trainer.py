@@ -251,8 +251,9 @@ class Trainer:
 
     @property
     def logged_metrics(self) -> dict[str, float]:
-        """The values most recently sent to the loggers."""
-        return dict(self.reporter.logged)
+        """The values most recently sent to the loggers, and the latest ones meant for them not sent yet (as in
+        Lightning: a metric logged between two ``log_every_n_steps`` is here before a logger writes it)."""
+        return self.reporter.logged_metrics()
 
     @property
     def progress_bar_metrics(self) -> dict[str, float]:

@@ -690,14 +690,6 @@ def test_lightning_optimizer_is_what_optimizers_returns_and_port_maps_its_import
     assert seen[ember.TrainingModule] == seen[pl.LightningModule] == [True]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "two differences, kept for now: loggers get step = optimizer steps taken (Lightning: the steps before the "
-        "batch, so its first row is step 0), and trainer.logged_metrics holds what was sent to the loggers "
-        "(Lightning's also holds the latest values not sent yet, with logger=False too)"
-    ),
-)
 @pytest.mark.parametrize(("every", "steps"), [(50, 20), (2, 5)])
 def test_logged_metrics_and_logger_steps_are_lightnings(every: int, steps: int) -> None:
     from lightning.pytorch.loggers import Logger as LightningLogger
@@ -736,3 +728,59 @@ def test_logged_metrics_and_logger_steps_are_lightnings(every: int, steps: int) 
         trainer.fit(_regressor(base, training_step=training_step), _data(n=80, batch_size=4))
         seen[base] = (logger.steps, {k: float(v) for k, v in trainer.logged_metrics.items()})
     assert seen[ember.TrainingModule] == seen[pl.LightningModule]
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_logger_rows_of_validation_epoch_ends_and_test_are_at_lightnings_steps(every: int) -> None:
+    """Every row a logger gets (its step and the names in it): step rows, validation inside fit every 2 batches,
+    epoch ends with ``on_epoch`` values, and ``test()`` after fit, which logs at the steps taken."""
+    from lightning.pytorch.loggers import Logger as LightningLogger
+
+    def training_step(self: Any, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = _loss(self, batch)
+        self.log("loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self: Any, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", _loss(self, batch))
+
+    def test_step(self: Any, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", _loss(self, batch))
+
+    def rows_of(base: type) -> type:
+        class Rows(base):  # type: ignore[valid-type, misc]
+            name, version = "r", 0
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.rows: list[tuple[int, list[str]]] = []
+
+            def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+                pass
+
+            def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+                self.rows.append((int(step or 0), sorted(k for k in metrics if k != "epoch")))
+
+        return Rows
+
+    steps = {"training_step": training_step, "validation_step": validation_step, "test_step": test_step}
+    seen = {}
+    quiet = {"enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False}
+    for base, fw, logger_base in (
+        (pl.LightningModule, pl, LightningLogger),
+        (ember.TrainingModule, ember, ember.loggers.Logger),
+    ):
+        logger = rows_of(logger_base)()
+        options = {"accelerator": "cpu", "devices": 1} if fw is pl else {}
+        trainer = fw.Trainer(
+            max_epochs=2, log_every_n_steps=every, val_check_interval=2, logger=logger, **quiet, **options
+        )
+        module = _regressor(base, **steps)
+        trainer.fit(module, _data(n=16, batch_size=4), _data(n=8, batch_size=4, seed=1))
+        trainer.test(module, _data(n=8, batch_size=4, seed=2))
+        seen[base] = logger.rows
+    ember_rows = seen[ember.TrainingModule]
+    assert ember_rows == seen[pl.LightningModule]
+    first_step_row = next(step for step, names in ember_rows if names == ["loss_step"])
+    assert first_step_row == every - 1  # optimizer step N's row is step N - 1: with every=1, step 0
+    assert ember_rows[-1] == (8, ["test_loss"])  # 2 epochs x 4 batches, then test

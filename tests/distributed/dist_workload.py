@@ -237,11 +237,13 @@ def fit_shuffled(
     max_steps: int = -1,
     keep: int = 1,
     async_save: bool = False,
+    module_cls: type[Net] | None = None,
     **trainer_kwargs: Any,
 ) -> tuple[ember.Trainer, Net]:
-    """AdamW, dropout, a ``shuffle=True`` loader: what an exact resume has to get right."""
+    """AdamW, dropout, a ``shuffle=True`` loader: what an exact resume has to get right (`module_cls`: a
+    subclass of `Net` in its place)."""
     ember.seed_everything(SEED)
-    module = Net(dropout=0.2, adamw=True)
+    module = (module_cls or Net)(dropout=0.2, adamw=True)
     cbs: list[ember.Callback] = []
     if ckpt_every is not None:
         cbs.append(ModelCheckpoint(every_n_train_steps=ckpt_every, save_top_k=keep, async_save=async_save))
@@ -507,6 +509,99 @@ def gpu_job(out: Path, batch_size: str) -> None:
     bf16 = fsdp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     section(out, "cuda_fsdp_bf16", lambda: summary(*fit_sequential(bf16, out / "runs-bf16", batch_size=batch)))
     section(out, "cuda_fsdp_resume", lambda: fsdp_resume(out, deterministic=True))
+
+
+class SyncedEpochMetrics(Net):
+    """`Net` that also logs epoch-level training metrics synced across processes (sum, max, mean): after a
+    mid-epoch resume their running totals must be where the collectives can take them (on the GPU for NCCL)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        for fx in ("sum", "max", "mean"):
+            self.log(f"train/loss_{fx}", loss.detach(), on_step=False, on_epoch=True, sync_dist=True, reduce_fx=fx)
+        return loss
+
+
+def steps_per_epoch_shuffled() -> int:
+    """`fit_shuffled`'s optimizer steps per epoch at this world size (batch 4 per process)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return N_SHUFFLED // (4 * world)
+
+
+def resume_runs(out: Path, name: str, strategy: Callable[[], Any], **kwargs: Any) -> dict[str, Any]:
+    """`fit_shuffled` uninterrupted; stopped in the middle of its second epoch (a checkpoint every step); resumed
+    from ``last`` (`kwargs` go to all three fits)."""
+    stop = steps_per_epoch_shuffled() + max(steps_per_epoch_shuffled() // 2, 1)
+    full = summary(*fit_shuffled(strategy(), out / f"runs-{name}-full", **kwargs))
+    stopped = summary(*fit_shuffled(strategy(), out / f"runs-{name}", ckpt_every=1, stop_at=stop, **kwargs))
+    if dist.is_initialized():
+        dist.barrier()
+    resumed = summary(*fit_shuffled(strategy(), out / f"runs-{name}", ckpt_every=1, ckpt_path="last", **kwargs))
+    return {
+        "full": full,
+        "stopped": stopped,
+        "resumed": resumed,
+        "ckpt": str(_last_checkpoint(out / f"runs-{name}" / "shuffled")),
+    }
+
+
+def peak_memory_fit(strategy: Callable[[], Any], root: Path, async_save: bool) -> dict[str, Any]:
+    """`fit_shuffled` with a checkpoint every step, sync or async; the device's peak memory during it (bytes,
+    None off CUDA) and the bytes of the state a checkpoint stages (parameters and optimizer state, this rank's)."""
+    on_cuda = ACCELERATOR == "cuda"
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    trainer, module = fit_shuffled(strategy(), root, ckpt_every=1, async_save=async_save, max_epochs=1)
+    peak = torch.cuda.max_memory_allocated() if on_cuda else None
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731  (FSDP: this rank's shard)
+    state = [local(p) for p in module.parameters()]
+    state += [local(v) for o in trainer.optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
+    return {
+        **summary(trainer, module),
+        "peak_bytes": peak,
+        "state_bytes": sum(t.numel() * t.element_size() for t in state),
+    }
+
+
+def gpu_resume_job(out: Path, batch_size: str, accelerator: str = "cuda") -> None:
+    """tests/gpu/test_cuda_resume.py, one process per GPU over NCCL: 16-mixed under DDP and FSDP, a mid-epoch
+    resume with synced epoch metrics, async checkpoints (resumed bitwise; staged outside device memory), and
+    the checkpoint a one-process resume reads. `accelerator` "cpu" runs the same over gloo (to try the job)."""
+    global ACCELERATOR
+    ACCELERATOR = accelerator
+    batch = int(batch_size)
+    fp16 = {"precision": "16-mixed"}
+    section(out, "ddp_16", lambda: summary(*fit_sequential(ddp(), out / "runs-ddp16", batch_size=batch, **fp16)))
+    section(out, "fsdp_16", lambda: summary(*fit_sequential(fsdp(), out / "runs-fsdp16", batch_size=batch, **fp16)))
+    synced = {"module_cls": SyncedEpochMetrics, "deterministic": True}
+    section(out, "synced_resume", lambda: resume_runs(out, "synced", ddp, **synced))
+    for name, strategy in (("async_ddp", ddp), ("async_fsdp", fsdp)):
+        section(out, name, lambda s=strategy, n=name: resume_runs(out, n, s, async_save=True, deterministic=True))
+        section(
+            out,
+            f"{name}_memory",
+            lambda s=strategy, n=name: {
+                "sync": peak_memory_fit(s, out / f"runs-{n}-mem-sync", async_save=False),
+                "async": peak_memory_fit(s, out / f"runs-{n}-mem-async", async_save=True),
+            },
+        )
+    stop = steps_per_epoch_shuffled() + 1  # in the second epoch
+    run = lambda: summary(  # noqa: E731
+        *fit_shuffled(ddp(), out / "runs-other_count", ckpt_every=1, stop_at=stop, deterministic=True)
+    )
+    section(out, "for_one_process", run)
+
+
+def one_process_resume_job(out: Path, accelerator: str = "cuda") -> None:
+    """Resume `gpu_resume_job`'s ``other_count`` run (written by every GPU) in this one process."""
+    global ACCELERATOR
+    ACCELERATOR = accelerator
+    root = out / "runs-other_count"
+    run = lambda: summary(  # noqa: E731
+        *fit_shuffled("single_device", root, ckpt_every=1, ckpt_path="last", deterministic=True)
+    )
+    section(out, "one_process", run)
 
 
 def async_job(out: Path) -> None:

@@ -117,7 +117,7 @@ def test_fit_digits_with_overrides_saves_config_and_metrics_and_the_saved_config
     assert saved["data"] == {"_target_": "examples.digits.DigitsData", "batch_size": 32}
     assert saved["trainer"]["log_every_n_steps"] == 50  # every schema default is written out
     rows = val_rows(run_dir)
-    assert [(int(r["epoch"]), int(r["step"])) for r in rows] == [(0, 3), (1, 6)]
+    assert [(int(r["epoch"]), int(r["step"])) for r in rows] == [(0, 2), (1, 5)]  # after steps 3 and 6: rows 2, 5
     last, stop = out.strip().splitlines()[-2:]  # the summary, then why the fit stopped
     assert last.startswith("fit done in ") and "(2 epochs, 6 steps)" in last
     assert stop.startswith("stopped: max_epochs=2 reached")

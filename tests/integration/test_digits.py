@@ -57,7 +57,7 @@ def test_digits_reaches_95_percent(tmp_path: Path, capsys: pytest.CaptureFixture
     assert len([r for r in rows if r["val/acc"]]) == 20 + 1  # one row per fit epoch, one for validate()
     assert [float(r["test/acc"]) for r in rows if r["test/acc"]] == [pytest.approx(test["test/acc"])]
     # train/loss is written every log_every_n_steps=50 optimizer steps
-    assert [int(r["step"]) for r in rows if r["train/loss"]] == list(range(50, 381, 50))
+    assert [int(r["step"]) for r in rows if r["train/loss"]] == list(range(49, 380, 50))  # steps 50, 100, ...: N - 1
     out = capsys.readouterr().out
     # epochs numbered from 0, as in the last checkpoint's name epoch=19-step=380
     assert "epoch 19/19  step 380" in out and "total    Classifier" in out

@@ -99,7 +99,7 @@ def test_evaluation_writes_into_the_run_of_its_checkpoint(project: Path, capsys:
     code, out, err = ember(capsys, "test", "-c", "net.yaml", "--ckpt-path", "best", "--run", "version_0")
     assert code == 0, err
     best0 = best_epoch(runs / "version_0")
-    step = int(best0["step"])
+    step = int(best0["step"]) + 1  # metrics.csv: optimizer step N's row is step N - 1 (Lightning's axis)
     name = f"epoch={int(best0['epoch'])}-step={step}"
     assert err.splitlines()[0] == (
         f"ember: test: loading {Path('runs/net/version_0/checkpoints') / name} "

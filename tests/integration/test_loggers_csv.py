@@ -72,6 +72,6 @@ def test_csv_rows_equal_the_values_sent_to_the_loggers(tmp_path: Path) -> None:
         "lr-SGD",
         "train/grad_norm",
     }
-    assert [r["step"] for r in rows if "val/loss" in r] == [8, 16, 24]
+    assert [r["step"] for r in rows if "val/loss" in r] == [7, 15, 23]  # after steps 8, 16, 24: their rows
     assert [r["lr-SGD"] for r in rows if "lr-SGD" in r] == [0.1] * 4 + [0.1 * 0.9] * 4 + [0.1 * 0.9 * 0.9] * 4
     assert [r for r in rows if "val/loss" in r][-1]["val/loss"] == trainer.callback_metrics["val/loss"]

@@ -96,9 +96,10 @@ def test_default_loggers_write_tensorboard_events_equal_to_the_csv_rows(tmp_path
     assert set(events) == {"train/loss", "val/loss", "lr-SGD", "epoch"}
     assert events == rows
     # 8 steps per epoch, logged every 3; validation at each epoch end; the epoch scheduler's lr per epoch
-    assert [step for step, _ in events["train/loss"]] == [3, 6, 9, 12, 15]
-    assert [step for step, _ in events["val/loss"]] == [8, 16]
-    assert events["lr-SGD"] == [(8, np.float32(0.2)), (16, np.float32(0.1))]
+    # (Lightning's axis: optimizer step N's row is step N - 1)
+    assert [step for step, _ in events["train/loss"]] == [2, 5, 8, 11, 14]
+    assert [step for step, _ in events["val/loss"]] == [7, 15]
+    assert events["lr-SGD"] == [(7, np.float32(0.2)), (15, np.float32(0.1))]
     assert events["val/loss"][-1][1] == np.float32(trainer.callback_metrics["val/loss"])
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
@@ -127,7 +128,7 @@ def test_a_killed_and_resumed_run_reads_as_one_uninterrupted_curve(tmp_path: Pat
     straight.fit(Classifier(), *loaders())
 
     events = tb_series(resumed.run_dir / "tensorboard")
-    assert [step for step, _ in events["train/loss"]] == [2, 4, 6, 8, 10, 12, 14, 16]  # 10 and 12 once, not twice
+    assert [step for step, _ in events["train/loss"]] == [1, 3, 5, 7, 9, 11, 13, 15]  # 9 and 11 once, not twice
     assert events == csv_series(resumed.run_dir)
     assert events == tb_series(straight.run_dir / "tensorboard")
 

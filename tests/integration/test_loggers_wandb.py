@@ -125,8 +125,8 @@ def test_offline_fit_history_and_config_equal_what_was_logged(tmp_path: Path) ->
     assert (config["lr"], config["hidden"]) == (0.05, 8)
     logged = history(records)
     assert logged == csv_series(fitted.run_dir)  # every value at every step, exactly as the CSV has it
-    assert [step for step, _ in logged["train/loss"]] == [2, 4, 6, 8, 10, 12, 14, 16]
-    assert [step for step, _ in logged["val/loss"]] == [8, 16]
+    assert [step for step, _ in logged["train/loss"]] == [1, 3, 5, 7, 9, 11, 13, 15]  # step N's row: N - 1
+    assert [step for step, _ in logged["val/loss"]] == [7, 15]
     assert logged["val/loss"][-1][1] == fitted.callback_metrics["val/loss"]
     assert records[-1]["type"] == "exit" and records[-1]["exit"]["exit_code"] == 0
 
@@ -146,8 +146,8 @@ def test_a_resumed_fit_continues_the_same_run(tmp_path: Path) -> None:
     before, after = (read_run(f) for f in files)
     assert before[-1]["exit"]["exit_code"] == 1 and after[-1]["exit"]["exit_code"] == 0
     assert [r["run"]["run_id"] for r in after if r["type"] == "run"] == [first_id]
-    assert [step for step, _ in history(before)["train/loss"]] == [2, 4, 6, 8, 10]
-    assert [step for step, _ in history(after)["train/loss"]] == [10, 12, 14, 16]  # W&B plots by trainer/global_step
+    assert [step for step, _ in history(before)["train/loss"]] == [1, 3, 5, 7, 9]
+    assert [step for step, _ in history(after)["train/loss"]] == [9, 11, 13, 15]  # W&B plots by trainer/global_step
     for path in resumed.run_dir.rglob("*"):  # the checkpoint holds the run id only, never a credential
         if path.is_file() and path.suffix in (".pt", ".yaml", ".json"):
             assert b"api_key" not in path.read_bytes()

@@ -283,7 +283,7 @@ def test_sigterm_mid_epoch_saves_last_at_the_step_boundary_and_exits_75(scenario
     assert "received SIGTERM" in launch.output
     assert "requeue" not in launch.output  # not under SLURM
     # the loggers were closed: metrics.csv holds every step up to the preempted one
-    assert launch.logged_steps == list(range(1, READY_STEP + 1))
+    assert launch.logged_steps == list(range(READY_STEP))  # steps 1..READY_STEP at rows 0..READY_STEP - 1
 
 
 def test_resuming_after_sigterm_is_bitwise_exact(scenarios: dict[str, Launch]) -> None:

@@ -75,7 +75,7 @@ def test_grad_norm_equals_the_norm_clip_grad_norm_sees_before_clipping() -> None
     trainer.fit(Net(), DataLoader(data(), batch_size=4))
     expected = raw_norms(6)
     assert all(norm > CLIP for norm in expected)  # clipping really changed the gradients
-    assert spy.series("train/grad_norm") == [(step, expected[step - 1]) for step in range(1, 7)]
+    assert spy.series("train/grad_norm") == [(step - 1, expected[step - 1]) for step in range(1, 7)]  # row N - 1
 
 
 def test_logging_steps_per_parameter_and_inf_norm() -> None:
@@ -91,11 +91,11 @@ def test_logging_steps_per_parameter_and_inf_norm() -> None:
 
     trainer.user_callbacks.append(Grab())
     trainer.fit(Net(), DataLoader(data(), batch_size=4))
-    assert [step for step, _ in spy.series("train/grad_norm")] == [3, 6]
+    assert [step for step, _ in spy.series("train/grad_norm")] == [2, 5]  # optimizer steps 3 and 6
     for step, value in spy.series("train/grad_norm"):
-        assert value == float(max(g.abs().max() for g in grads[step - 1].values()))
+        assert value == float(max(g.abs().max() for g in grads[step].values()))  # row N - 1: grads[N - 1]
     assert spy.series("grad_norm/model.0.weight") == [
-        (step, float(grads[step - 1]["model.0.weight"].abs().max())) for step in (3, 6)
+        (step - 1, float(grads[step - 1]["model.0.weight"].abs().max())) for step in (3, 6)
     ]
 
 
@@ -105,7 +105,7 @@ def test_histograms_at_each_loggers_cadence() -> None:
     trainer = ember.Trainer(max_epochs=1, logger=spy, **QUIET)
     trainer.fit(Net(), DataLoader(data(), batch_size=4))
     assert any(isinstance(cb, ParameterHistograms) for cb in trainer.callbacks)  # added by itself
-    assert [step for step, _ in spy.histograms] == [2, 4, 6]
+    assert [step for step, _ in spy.histograms] == [1, 3, 5]  # optimizer steps 2, 4, 6: the scalars' rows
     names = set(spy.histograms[0][1])
     assert names == {
         f"{kind}/model.{i}.{p}" for kind in ("weights", "grads") for i in (0, 2) for p in ("weight", "bias")
@@ -127,9 +127,9 @@ def test_tensorboard_histograms_read_back(tmp_path: Any) -> None:
     acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"histograms": 0})
     acc.Reload()
     events = acc.Histograms("grads/model.0.weight")
-    assert [e.step for e in events] == [3, 6]
+    assert [e.step for e in events] == [2, 5]  # optimizer steps 3 and 6
     for event in events:
-        grad = grads[event.step]
+        grad = grads[event.step + 1]  # optimizer step N's row is N - 1
         assert event.histogram_value.num == grad.numel() == 12
         assert event.histogram_value.sum == pytest.approx(float(grad.sum()), rel=1e-5, abs=1e-7)
         assert event.histogram_value.max == pytest.approx(float(grad.max()), rel=1e-6)

@@ -85,11 +85,11 @@ def test_step_interval_logs_each_groups_lr_used_by_the_logged_steps() -> None:
     trainer.fit(TwoGroups(), loader())  # 10 steps per epoch
     used = replay(20)
     logged_steps = [3, 6, 9, 12, 15, 18]
-    assert spy.series("lr-SGD/pg1") == [(s, used[s - 1][0]) for s in logged_steps]  # exact: no float32 rounding
-    assert spy.series("lr-SGD/pg2") == [(s, used[s - 1][1]) for s in logged_steps]
-    assert spy.series("lr-SGD/pg1-momentum") == [(s, 0.9) for s in logged_steps]
-    assert spy.series("lr-SGD/pg2-momentum") == [(s, 0.5) for s in logged_steps]
-    assert spy.series("lr-SGD/pg1-weight_decay") == [(s, 1e-4) for s in logged_steps]
+    assert spy.series("lr-SGD/pg1") == [(s - 1, used[s - 1][0]) for s in logged_steps]  # exact; step s's row: s - 1
+    assert spy.series("lr-SGD/pg2") == [(s - 1, used[s - 1][1]) for s in logged_steps]
+    assert spy.series("lr-SGD/pg1-momentum") == [(s - 1, 0.9) for s in logged_steps]
+    assert spy.series("lr-SGD/pg2-momentum") == [(s - 1, 0.5) for s in logged_steps]
+    assert spy.series("lr-SGD/pg1-weight_decay") == [(s - 1, 1e-4) for s in logged_steps]
     # in the same logger rows as the step's loss
     assert [step for step, m in spy.calls if "lr-SGD/pg1" in m] == [step for step, m in spy.calls if "train/loss" in m]
     assert trainer.callback_metrics["lr-SGD/pg1"] == used[17][0]
@@ -100,7 +100,7 @@ def test_epoch_interval_logs_the_value_each_epoch_started_with() -> None:
     trainer = ember.Trainer(max_epochs=3, logger=spy, callbacks=[LearningRateMonitor()], **QUIET)
     trainer.fit(TwoGroups(interval="epoch"), loader())
     # epoch e trains with LambdaLR at e: lr0 * 0.9**e and lr1 / (1 + e); logged with the epoch's metrics
-    assert spy.series("lr-SGD/pg1") == [(10, 0.1 * 0.9**0), (20, 0.1 * 0.9**1), (30, 0.1 * 0.9**2)]
+    assert spy.series("lr-SGD/pg1") == [(9, 0.1 * 0.9**0), (19, 0.1 * 0.9**1), (29, 0.1 * 0.9**2)]
     assert [v for _, v in spy.series("lr-SGD/pg2")] == pytest.approx([0.03, 0.015, 0.01], rel=1e-15)
     assert "lr-SGD/pg1-momentum" not in spy.calls[-1][1]
 
@@ -143,7 +143,7 @@ def test_scheduler_name_is_used() -> None:
     spy = Spy()
     trainer = ember.Trainer(max_steps=2, log_every_n_steps=1, logger=spy, callbacks=[LearningRateMonitor()], **QUIET)
     trainer.fit(Named(), loader())
-    assert spy.series("my-lr/pg1") == [(1, 0.1), (2, 0.1 * 0.9)]
+    assert spy.series("my-lr/pg1") == [(0, 0.1), (1, 0.1 * 0.9)]
 
 
 def test_bad_interval() -> None:

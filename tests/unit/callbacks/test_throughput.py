@@ -129,7 +129,7 @@ def test_rates_agree_with_an_independent_count(clock: Any) -> None:
     trainer.fit(Slow(clock=clock), loader(30))
     batches = spy.series("throughput/batches_per_s")
     samples = spy.series("throughput/samples_per_s")
-    assert [step for step, _ in batches] == [5, 10, 15, 20, 25, 30]
+    assert [step for step, _ in batches] == [4, 9, 14, 19, 24, 29]  # optimizer steps 5, 10, ...: rows N - 1
     for (_, logged), expected in zip(batches, counted.rates(), strict=True):
         assert logged == pytest.approx(expected, rel=clock.rel)
     if clock.rel < 0.01:  # simulated: every step takes STEP_S and nothing else takes time
@@ -156,7 +156,7 @@ def test_validation_time_is_left_out(clock: Any) -> None:
     )
     trainer.fit(Slow(val_s=0.05, clock=clock), loader(10), loader(2))  # 100 ms of validation after steps 10 and 20
     rates = spy.series("throughput/batches_per_s")
-    assert [step for step, _ in rates] == [4, 8, 12, 16, 20]
+    assert [step for step, _ in rates] == [3, 7, 11, 15, 19]  # optimizer steps 4, 8, ...
     assert [v > 0.09 for v in counted.validation_in_window] == [False, False, True, False, False]
     for (_, logged), expected in zip(rates, counted.rates(), strict=True):
         assert logged == pytest.approx(expected, rel=clock.rel)
@@ -197,7 +197,7 @@ def test_known_flops_per_batch() -> None:
     monitor = ThroughputMonitor(flops_per_batch=1e6, peak_flops_per_s=4e8)
     trainer = ember.Trainer(max_epochs=1, log_every_n_steps=5, logger=spy, callbacks=[monitor], **QUIET)
     trainer.fit(Slow(), loader(10))
-    assert [step for step, _ in spy.series("throughput/mfu")] == [5, 10]
+    assert [step for step, _ in spy.series("throughput/mfu")] == [4, 9]
     ((_, last),) = [c for c in spy.calls if "throughput/mfu" in c[1]][-1:]
     assert last["throughput/flops_per_s"] == pytest.approx(1e6 * last["throughput/batches_per_s"], rel=1e-12)
     assert last["throughput/mfu"] == pytest.approx(1e6 * last["throughput/batches_per_s"] / 4e8, rel=1e-12)

@@ -159,9 +159,9 @@ def test_a_fit_logs_steps_epochs_the_config_and_the_best_checkpoint(tmp_path: Pa
     assert client.get_experiment(run.info.experiment_id).name == "regressor"  # the ember run name
     assert run.data.params == {"trainer.max_epochs": "3", "module._target_": "tests.Regressor", "module.lr": "0.05"}
     train = history(client, logger.run_id, "train/loss")
-    assert [step for step, _ in train] == list(range(1, 3 * EPOCH_STEPS + 1))  # every step
+    assert [step for step, _ in train] == list(range(3 * EPOCH_STEPS))  # every step, Lightning's axis: from 0
     val = history(client, logger.run_id, "val/loss")
-    assert [step for step, _ in val] == [EPOCH_STEPS, 2 * EPOCH_STEPS, 3 * EPOCH_STEPS]  # every epoch
+    assert [step for step, _ in val] == [EPOCH_STEPS - 1, 2 * EPOCH_STEPS - 1, 3 * EPOCH_STEPS - 1]  # every epoch
     assert val[-1][1] == pytest.approx(t.callback_metrics["val/loss"], rel=1e-6)
 
     best = Path(checkpoints.best_model_path).resolve()
@@ -233,7 +233,7 @@ def test_resume_from_a_path_finds_the_saved_store(tmp_path: Path) -> None:
     assert second.tracking_uri == first.tracking_uri  # ... but the saved run's store
     assert second.run_id == first.run_id
     val = history(local_client(t.run_dir), first.run_id, "val/loss")
-    assert [step for step, _ in val] == [EPOCH_STEPS, 2 * EPOCH_STEPS]
+    assert [step for step, _ in val] == [EPOCH_STEPS - 1, 2 * EPOCH_STEPS - 1]  # the epochs' last steps' rows
     assert not (resumed.run_dir / "mlflow").exists()
 
 
@@ -324,8 +324,8 @@ def test_a_fit_logs_to_a_live_mlflow_server_over_http(tmp_path: Path) -> None:
         assert run.info.status == "FINISHED"
         assert client.get_experiment(run.info.experiment_id).name == "served"
         assert run.data.params == {"lr": "0.05", "hidden": "8"}  # the module's hparams (no YAML config)
-        assert [s for s, _ in history(client, logger.run_id, "train/loss")] == list(range(1, 2 * EPOCH_STEPS + 1))
-        assert [s for s, _ in history(client, logger.run_id, "val/loss")] == [EPOCH_STEPS, 2 * EPOCH_STEPS]
+        assert [s for s, _ in history(client, logger.run_id, "train/loss")] == list(range(2 * EPOCH_STEPS))
+        assert [s for s, _ in history(client, logger.run_id, "val/loss")] == [EPOCH_STEPS - 1, 2 * EPOCH_STEPS - 1]
         record = yaml.safe_load(read_artifact(client, logger.run_id, "best_checkpoint.json", tmp_path / "dl"))
         assert record["path"] == str(Path(checkpoints.best_model_path).resolve())
         served = history(client, logger.run_id, "val/loss")

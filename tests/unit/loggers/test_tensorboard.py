@@ -88,7 +88,7 @@ def test_a_resume_drops_queued_scalars_past_the_checkpoint(tmp_path: Path) -> No
     logger = TensorBoardLogger(tmp_path)
     for step in (1, 2, 3, 4):
         logger.log_metrics({"a": float(step)}, step=step)
-    logger.load_state_dict({"step": 2})  # resuming from a checkpoint taken at step 2
+    logger.load_state_dict({"step": 3})  # a checkpoint after optimizer step 3 covers rows 0-2 (step N's row: N - 1)
     logger.log_metrics({"a": 30.0}, step=3)
     logger.finalize("success")
     assert scalars(read(tmp_path), "a") == [(1, 1.0), (2, 2.0), (3, 30.0)]
@@ -142,7 +142,7 @@ def test_resume_purges_events_after_the_checkpoint_step(tmp_path: Path) -> None:
     while int(time.time()) == start:
         time.sleep(0.02)
     resumed = TensorBoardLogger(tmp_path)
-    resumed.load_state_dict({"step": 3})
+    resumed.load_state_dict({"step": 4})  # covers the rows before step 4
     resumed.log_metrics({"a": 40.0}, step=4)
     resumed.finalize("success")
     assert scalars(read(tmp_path), "a") == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
@@ -232,7 +232,7 @@ def test_histograms_and_scalars_share_one_file_and_a_resume_purges_both(tmp_path
     first.finalize("failed")
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
     resumed = TensorBoardLogger(tmp_path, log_histograms_every_n_steps=1)  # in the same second, same process
-    resumed.load_state_dict({"step": 3})
+    resumed.load_state_dict({"step": 4})  # covers the rows before step 4
     resumed.log_metrics({"a": 40.0}, step=4)
     resumed.log_histograms({"w": torch.full((3,), 40.0)}, step=4)
     resumed.finalize("success")
@@ -257,7 +257,7 @@ def test_a_resumed_file_is_read_after_the_earlier_one_whatever_the_clock_or_host
     else:
         monkeypatch.setattr("ember.loggers.tensorboard.socket.gethostname", lambda: "0")
     resumed = TensorBoardLogger(tmp_path)
-    resumed.load_state_dict({"step": 2})
+    resumed.load_state_dict({"step": 3})  # covers the rows before step 3
     resumed.log_metrics({"a": 30.0}, step=3)
     resumed.finalize("success")
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
@@ -276,10 +276,10 @@ def test_resumes_in_one_second_purge_right_however_many_writers_the_process_made
     monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(8))
     now = time.time()
     monkeypatch.setattr("time.time", lambda: now)  # every file made in the same second
-    for run in range(4):  # each run resumes from the step `run` and logs two more steps
+    for run in range(4):  # each run resumes with the rows before step `run + 1` and logs two more steps
         logger = TensorBoardLogger(tmp_path, log_histograms_every_n_steps=1 if writes == "histograms" else None)
         if run:
-            logger.load_state_dict({"step": run})
+            logger.load_state_dict({"step": run + 1})  # optimizer step N's row is N - 1
         for step in (run + 1, run + 2):
             value = float(10 * run + step)
             if writes == "experiment":
@@ -335,7 +335,7 @@ print(heavy, trainer.run_dir)
     heavy, run_dir = out.stdout.strip().splitlines()[-1].split(" ", 1)
     assert heavy == "[]"
     acc = read(Path(run_dir) / "tensorboard")
-    assert [step for step, _ in scalars(acc, "val/loss")] == [4, 8]
+    assert [step for step, _ in scalars(acc, "val/loss")] == [3, 7]  # after steps 4 and 8: their rows
     assert set(acc.PluginTagToContent("hparams")) == {
         "_hparams_/experiment",
         "_hparams_/session_start_info",

@@ -376,22 +376,22 @@ def test_log_every_n_steps_controls_csv_rows(tmp_path):
     assert logger.metrics_path == path
     rows = read_csv(path)
 
-    # Step rows after optimizer steps 2, 4, 6, 8, 10 (global_step after the step), carrying the value
-    # logged in the step that made it; epoch rows at the end of each epoch (global_step 5 and 10).
+    # Step rows after optimizer steps 2, 4, 6, 8, 10, at Lightning's steps (the steps before: 1, 3, ...), carrying
+    # the value logged in the step that made it; epoch rows at the end of each epoch (its last step's row, 4 and 9).
     step_rows = [r for r in rows if r["train/v"] != ""]
     epoch_rows = [r for r in rows if r["train/e"] != ""]
     assert len(rows) == len(step_rows) + len(epoch_rows)
     assert [(int(r["step"]), int(r["epoch"]), float(r["train/v"])) for r in step_rows] == [
-        (2, 0, 1.0),
-        (4, 0, 3.0),
-        (6, 1, 100.0),
-        (8, 1, 102.0),
-        (10, 1, 104.0),
+        (1, 0, 1.0),
+        (3, 0, 3.0),
+        (5, 1, 100.0),
+        (7, 1, 102.0),
+        (9, 1, 104.0),
     ]
     # column 0 is 0..19: its weighted mean over the epoch is 9.5
     assert [(int(r["step"]), int(r["epoch"]), float(r["train/e"])) for r in epoch_rows] == [
-        (5, 0, 9.5),
-        (10, 1, 9.5),
+        (4, 0, 9.5),
+        (9, 1, 9.5),
     ]
     assert trainer.logged_metrics["train/v"] == 104.0
     assert trainer.logged_metrics["train/e"] == pytest.approx(9.5)
@@ -416,8 +416,8 @@ def test_log_every_n_steps_row_steps(tmp_path, every, steps):
         assert not logger.metrics_path.exists() or read_csv(logger.metrics_path) == []
         return
     rows = read_csv(logger.metrics_path)
-    assert [int(r["step"]) for r in rows] == steps
-    assert [float(r["train/step_seen"]) for r in rows] == [s - 1 for s in steps]
+    assert [int(r["step"]) for r in rows] == [s - 1 for s in steps]  # optimizer step s: row s - 1, as in Lightning
+    assert [float(r["train/step_seen"]) for r in rows] == [s - 1 for s in steps]  # the row's step: global_step then
 
 
 def test_val_metrics_go_to_the_logger(tmp_path):
@@ -436,8 +436,8 @@ def test_val_metrics_go_to_the_logger(tmp_path):
     trainer.fit(Recorder(val_log=val_log), loader(), loader())
     rows = read_csv(logger.metrics_path)
     assert [(int(r["step"]), int(r["epoch"]), float(r["val/x0"])) for r in rows] == [
-        (3, 0, WEIGHTED_MEAN),
-        (6, 1, WEIGHTED_MEAN),
+        (2, 0, WEIGHTED_MEAN),  # after optimizer step 3: its row
+        (5, 1, WEIGHTED_MEAN),
     ]
 
 
@@ -525,3 +525,26 @@ def test_to_floats_copies_to_the_host_once_for_a_whole_dict() -> None:
     assert _HostCopies.copies == 1
     assert floats == {"m0": 0.0, "m1": 0.25, "m2": 0.5, "m3": 0.75, "m4": 1.0, "epoch": 3.0, "half": 0.5}
     assert list(floats) == ["m0", "m1", "m2", "m3", "m4", "epoch", "half"]
+
+
+def test_logged_metrics_hold_the_latest_values_meant_for_loggers_even_unsent(tmp_path):
+    """As in Lightning: a value logged between two ``log_every_n_steps`` (or with ``logger=False`` on the trainer)
+    is in ``trainer.logged_metrics``; one logged with ``self.log(..., logger=False)`` never is."""
+
+    def train_log(m, batch, batch_idx, loss):
+        m.log("train/seen", float(m.global_step))
+        m.log("train/hidden", 1.0, logger=False)
+
+    for logger in (False, CSVLogger(save_dir=tmp_path / "x")):
+        trainer = ember.Trainer(
+            max_epochs=1,
+            log_every_n_steps=50,  # 3 steps: nothing is sent
+            logger=logger,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+        trainer.fit(Recorder(train_log=train_log), loader())
+        assert trainer.logged_metrics == {"train/seen": 2.0}, logger  # the last step's value (global_step 2 then)
+        assert trainer.callback_metrics["train/hidden"] == 1.0
+    assert not (tmp_path / "x" / "metrics.csv").exists() or read_csv(tmp_path / "x" / "metrics.csv") == []
