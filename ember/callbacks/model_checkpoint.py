@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import Callback
 from ember.callbacks.monitored import check_after_sanity
+from ember.checkpoint.store import check_url, is_url
 
 if TYPE_CHECKING:
+    from ember.checkpoint.mirror import StoreMirror
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
 
@@ -50,6 +52,12 @@ class ModelCheckpoint(Callback):
       not logged is an error (Lightning writes 0).
     - ``save_weights_only`` writes module weights only (not resumable);
       ``async_save`` writes in a background thread while training goes on.
+    - ``dirpath`` may be a URL (``s3://bucket/ckpts``, any fsspec protocol):
+      each checkpoint is written to ``<run dir>/checkpoints`` first, then
+      uploaded in the background and committed on the store by a manifest
+      written last (`ember.checkpoint.mirror`); the store's ``last`` follows,
+      and evicted checkpoints leave the store too. Resume anywhere with
+      ``ckpt_path="s3://bucket/ckpts/last"``.
 
     `best_model_path` / `best_model_score` name the best checkpoint; the
     callback's own state (kept checkpoints, best score) survives a resume.
@@ -86,7 +94,14 @@ class ModelCheckpoint(Callback):
                 f"ModelCheckpoint(filename={filename!r}): a checkpoint is one directory in dirpath; drop the '/' "
                 "(put folders in dirpath)"
             )
+        #: The store folder checkpoints are uploaded to (``dirpath`` given as a URL), else None.
+        self.store_url: str | None = None
+        if is_url(dirpath):
+            assert isinstance(dirpath, str)
+            check_url(dirpath, "ModelCheckpoint(dirpath)")
+            self.store_url, dirpath = dirpath.rstrip("/"), None  # written locally first, in the run directory
         self.dirpath = Path(dirpath) if dirpath is not None else None
+        self._mirror: StoreMirror | None = None
         self.filename = filename
         self.auto_insert_metric_name = auto_insert_metric_name
         self.monitor = monitor
@@ -176,6 +191,16 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
         if self.dirpath is None and stage == "fit":
             self.dirpath = trainer.run_dir / "checkpoints"
+        if self.store_url is not None and stage == "fit" and trainer.is_global_zero and self._mirror is None:
+            from ember.checkpoint.mirror import StoreMirror
+
+            self._mirror = StoreMirror(self.store_url)
+
+    def teardown(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
+        """With a store ``dirpath``: wait for the uploads still queued; raise the first that failed."""
+        mirror, self._mirror = self._mirror, None
+        if mirror is not None:
+            mirror.close()
 
     def on_train_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._last_save_time = time.monotonic()
@@ -282,10 +307,15 @@ class ModelCheckpoint(Callback):
         self._last_saved_step = trainer.global_step
         self._last_save_time = time.monotonic()
 
+        step = trainer.global_step
+
         def after_write(written: Path) -> None:  # runs once `written` is complete and `last` names it
             for old in stale:
                 if old not in self.kept and old != self.last_model_path:
                     self._remove(old)
+            if self._mirror is not None:  # the store keeps what the folder keeps
+                keep = {Path(p).name for p in (*self.kept, self.last_model_path) if p}
+                self._mirror.submit(written, step, self.save_last or force_last, keep)
 
         trainer.save_checkpoint(
             path,
