@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import shutil
@@ -164,6 +165,9 @@ class ModelCheckpoint(Callback):
         self.last_model_path = last if isinstance(last, str) and self._owns(last) else ""
         step = state["last_saved_step"]
         self._last_saved_step = step if isinstance(step, int) else -1
+        if self._mirror is not None:  # the store holds the resumed run's checkpoints under the same names
+            names = [Path(p).name for p in (*kept, last) if isinstance(p, str) and p]
+            self._mirror.adopt([n for n in names if _is_checkpoint_name(n)])
 
     def _owns(self, path: str) -> bool:
         """Whether `path` names a checkpoint directory directly inside `dirpath` (by resolved path; a
@@ -177,6 +181,10 @@ class ModelCheckpoint(Callback):
             return candidate.parent.resolve() == self.dirpath.resolve() and not candidate.is_symlink()
         except (OSError, RuntimeError):
             return False
+
+    def _remove_all(self, paths: list[str]) -> None:
+        for path in paths:
+            self._remove(path)
 
     def _remove(self, path: str) -> None:
         """Delete an evicted checkpoint of this callback; anything else is left alone."""
@@ -310,12 +318,16 @@ class ModelCheckpoint(Callback):
         step = trainer.global_step
 
         def after_write(written: Path) -> None:  # runs once `written` is complete and `last` names it
-            for old in stale:
-                if old not in self.kept and old != self.last_model_path:
+            obsolete = [old for old in stale if old not in self.kept and old != self.last_model_path]
+            if self._mirror is None:
+                for old in obsolete:
                     self._remove(old)
-            if self._mirror is not None:  # the store keeps what the folder keeps
-                keep = {Path(p).name for p in (*self.kept, self.last_model_path) if p}
-                self._mirror.submit(written, step, self.save_last or force_last, keep)
+                return
+            # The store keeps what the folder keeps; a local checkpoint is deleted only once the uploads
+            # queued before (its own among them) are done, on the upload thread.
+            keep = {Path(p).name for p in (*self.kept, self.last_model_path) if p}
+            remove = functools.partial(self._remove_all, obsolete)
+            self._mirror.submit(written, step, self.save_last or force_last, keep, after=remove)
 
         trainer.save_checkpoint(
             path,

@@ -60,9 +60,16 @@ def local_files(directory: Path) -> list[str]:
 
 def upload(fs: Any, local: Path, remote: str, global_step: int | None) -> dict[str, Any]:
     """Commit the checkpoint directory `local` at `remote` on `fs`: every file, then the manifest; returns
-    the manifest. Until the manifest is written, nothing at `remote` counts as a checkpoint."""
+    the manifest. Until the manifest is written, nothing at `remote` counts as a checkpoint; a manifest
+    already there (a checkpoint of the same name, written again after a resume) is removed first, so no
+    reader trusts the old manifest while its files are replaced."""
+    names = local_files(local)
+    if not names:
+        raise FileNotFoundError(f"checkpoint {local} has no files to upload (it was deleted before its upload)")
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(join(remote, MANIFEST_FILE))
     files = []
-    for name in local_files(local):
+    for name in names:
         source = local / name
         files.append({"name": name, "size": source.stat().st_size, "sha256": _sha256_of(source)})
         fs.put_file(str(source), join(remote, name))
@@ -236,12 +243,8 @@ def fetch(url: str, fs: Any, remote: str, cache: Path) -> Path:
     checkpoints (its newest committed one, `newest`). Anything else is a `CheckpointError`.
     """
     shown = redact(url)
-    if basename(remote) == LAST_FILE:
-        folder = remote.rstrip("/").rsplit("/", 1)[0]
-        name = read_last(fs, folder, shown)
-        if name is None:
-            raise CheckpointError(f"no checkpoint pointer at {shown}")
-        remote, shown = join(folder, name), join(shown.rsplit("/", 1)[0], name)
+    if basename(remote) == LAST_FILE:  # the checkpoint it names, else (warning) the folder's newest
+        remote, shown = remote.rstrip("/").rsplit("/", 1)[0], shown.rstrip("/").rsplit("/", 1)[0]
     manifest = committed(fs, remote, shown)
     if manifest is None:
         found = newest(fs, remote, shown)

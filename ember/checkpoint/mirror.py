@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,7 @@ class _Upload:
     global_step: int | None
     set_last: bool
     keep: frozenset[str]
+    after: Callable[[], None] | None
 
 
 class StoreMirror:
@@ -41,13 +42,26 @@ class StoreMirror:
         #: Names this mirror committed and may therefore evict.
         self.uploaded: list[str] = []
 
-    def submit(self, local: Path, global_step: int | None, set_last: bool, keep: Collection[str]) -> None:
+    def adopt(self, names: Collection[str]) -> None:
+        """Count checkpoints of the run this one resumes (by name, in this folder) as this mirror's own, so
+        that they leave the store once the callback no longer keeps them."""
+        self.uploaded += [n for n in names if n not in self.uploaded]
+
+    def submit(
+        self,
+        local: Path,
+        global_step: int | None,
+        set_last: bool,
+        keep: Collection[str],
+        after: Callable[[], None] | None = None,
+    ) -> None:
         """Queue checkpoint `local` (complete on disk); once it is committed, checkpoints this mirror uploaded
-        whose names are not in `keep` are deleted from the store."""
+        whose names are not in `keep` are deleted from the store, then `after` runs (on the upload thread:
+        the caller deletes local checkpoints there, which uploads queued earlier may still be reading)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="ember-store-upload", daemon=True)
             self._thread.start()
-        self._queue.put(_Upload(local, global_step, set_last, frozenset(keep)))
+        self._queue.put(_Upload(local, global_step, set_last, frozenset(keep), after))
 
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -70,6 +84,8 @@ class StoreMirror:
         for old in [n for n in self.uploaded if n not in job.keep and n != name]:
             manifest.remove(self.fs, join(self.root, old))
             self.uploaded.remove(old)
+        if job.after is not None:
+            job.after()
 
     def wait(self) -> None:
         """Block until every queued upload is done; raise the first failure as a `CheckpointWriteError`."""

@@ -169,3 +169,37 @@ def test_an_oversized_manifest_is_refused_before_reading(store: tuple[Any, str, 
 
 def test_fsspec_memory_store_is_the_one_under_test() -> None:
     assert isinstance(open_store("memory://x")[0], fsspec.implementations.memory.MemoryFileSystem)
+
+
+def test_the_mirror_uploads_in_order_then_evicts_then_runs_the_local_cleanup(
+    tmp_path: Path, store: tuple[Any, str, str]
+) -> None:
+    from ember.checkpoint.mirror import StoreMirror
+
+    fs, root, url = store
+    mirror = StoreMirror(url)
+    events: list[str] = []
+    for step in (1, 2, 3):
+        local = _checkpoint(tmp_path, f"s{step}")
+        keep = {f"s{step - 1}", f"s{step}"}  # top-2
+        mirror.submit(local, step, True, keep, after=lambda step=step: events.append(f"after s{step}"))
+    mirror.close()
+    assert events == ["after s1", "after s2", "after s3"]
+    assert sorted(n.rsplit("/", 1)[-1] for n in fs.ls(root, detail=False)) == ["last", "s2", "s3"]
+    assert manifest.newest(fs, root, url)[0] == "s3"  # type: ignore[index]
+
+
+def test_a_failed_upload_is_raised_at_the_end_and_later_cleanups_do_not_run(
+    tmp_path: Path, store: tuple[Any, str, str]
+) -> None:
+    from ember.checkpoint import CheckpointWriteError
+    from ember.checkpoint.mirror import StoreMirror
+
+    _, _, url = store
+    mirror = StoreMirror(url)
+    ran: list[str] = []
+    mirror.submit(tmp_path / "gone", 1, True, {"gone"}, after=lambda: ran.append("gone"))  # nothing to upload
+    mirror.submit(_checkpoint(tmp_path, "s2"), 2, True, {"s2"}, after=lambda: ran.append("s2"))
+    with pytest.raises(CheckpointWriteError, match=r"uploading checkpoints to memory://.*local checkpoints"):
+        mirror.close()
+    assert ran == []  # the local checkpoints stay: they are the only copies
