@@ -195,3 +195,39 @@ def test_cli_fit_to_the_store_then_resume_and_test_from_urls(
     assert f"test: loading {url}/" in capsys.readouterr().err
     assert main(["test", "-c", str(project), root, "--ckpt", f"{url}/missing"]) == 2
     assert "no committed checkpoint" in capsys.readouterr().err
+
+
+def test_fit_last_on_a_machine_without_local_checkpoints_takes_the_stores_newest(tmp_path: Path, url: str) -> None:
+    saver = lambda: ModelCheckpoint(dirpath=url, every_n_train_steps=2, save_top_k=1)  # noqa: E731
+    full = _fit(tmp_path / "a", 8, [saver()])
+    _fit(tmp_path / "b", 4, [ModelCheckpoint(dirpath=url + "-b", every_n_train_steps=2, save_top_k=1)])
+    resumed = _fit(tmp_path / "c", 8, [ModelCheckpoint(dirpath=url + "-b", every_n_train_steps=2)], ckpt_path="last")
+    assert resumed.ckpt_path is not None and Path(resumed.ckpt_path).name == "epoch=0-step=4"
+    assert all(torch.equal(a, b) for a, b in zip(_params(full), _params(resumed), strict=True))
+    empty = _fit(tmp_path / "d", 1, [ModelCheckpoint(dirpath=url + "-none")], ckpt_path="last")
+    assert empty.ckpt_path is None  # nothing local, nothing on the store: a new run
+
+
+def test_a_logger_save_dir_url_is_refused_in_one_line() -> None:
+    from ember.loggers import CSVLogger, TensorBoardLogger
+
+    for cls in (CSVLogger, TensorBoardLogger):
+        with pytest.raises(ValueError, match=r"save_dir=s3://b/logs\): logs are written to a local folder"):
+            cls(save_dir="s3://b/logs")
+    assert list(Path.cwd().iterdir()) == []
+
+
+def test_cli_export_from_a_checkpoint_url_and_never_to_one(
+    project: Path, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = f"trainer.default_root_dir={project.parent / 'runs'}"
+    assert main(["fit", "-c", str(project), root]) == 0
+    out = project.parent / "exports"
+    argv = ["export", "-c", str(project), root, "--ckpt", f"{url}/last", "--format", "safetensors"]
+    assert main([*argv, "--out", str(out), "--name", "net"]) == 0, capsys.readouterr().err
+    assert (out / "net.safetensors").stat().st_size > 0
+    capsys.readouterr()
+    assert main([*argv, "--out", "s3://bucket/exports"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exports are written to a local folder" in err[0]
+    assert not (Path.cwd() / "s3:").exists()
