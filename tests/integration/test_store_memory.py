@@ -231,3 +231,24 @@ def test_cli_export_from_a_checkpoint_url_and_never_to_one(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "exports are written to a local folder" in err[0]
     assert not (Path.cwd() / "s3:").exists()
+
+
+def test_a_local_fit_with_checkpoints_never_imports_fsspec(tmp_path: Path) -> None:
+    import subprocess
+
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_store_memory import Tiny, _loader
+import ember
+from ember.callbacks.model_checkpoint import ModelCheckpoint
+trainer = ember.Trainer(max_steps=2, default_root_dir={str(tmp_path)!r}, logger=False, enable_progress_bar=False,
+                        callbacks=[ModelCheckpoint(every_n_train_steps=1, async_save=True)])
+trainer.fit(Tiny(), _loader())
+trainer.fit(Tiny(), _loader(), ckpt_path="last")
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("fsspec", "s3fs", "botocore")))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert len(list((tmp_path / "tiny").glob("version_*/checkpoints/epoch=*"))) >= 1
