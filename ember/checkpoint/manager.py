@@ -192,13 +192,15 @@ class CheckpointManager:
         ``ModelCheckpoint(dirpath=URL)``): a run continued on a machine that shares nothing but the store."""
         path, run_dir, message = None, None, None
         if ckpt_path is not None:
+            local_error: ckpt.CheckpointError | None = None
             try:
                 path, run_dir, message = ckpt.resolve_ckpt_path(ckpt_path, run_root, stage, list(folders), known_best)
-            except ckpt.CheckpointError:
+            except ckpt.CheckpointError as exc:
                 if ckpt_path != "last" or not stores:
                     raise
-            if ckpt_path == "last" and path is None:
-                path, message = _last_on_stores(stores, stage, message)
+                local_error = exc
+            if ckpt_path == "last" and path is None and stores:
+                path, message = _last_on_stores(stores, stage, message, local_error)
         if stage == "fit":
             for folder in [*folders, *([run_dir / ckpt.CHECKPOINT_SUBDIR] if run_dir is not None else [])]:
                 ckpt.check_last_replaceable(folder)
@@ -252,9 +254,12 @@ class CheckpointManager:
             request.async_save = False
 
 
-def _last_on_stores(stores: Sequence[str], stage: str, message: str | None) -> tuple[Path | None, str | None]:
-    """The newest committed checkpoint of the first of `stores` that has one, downloaded; else (None, `message`)
-    (no store has one: fit starts a new run, the others raise)."""
+def _last_on_stores(
+    stores: Sequence[str], stage: str, message: str | None, local_error: ckpt.CheckpointError | None
+) -> tuple[Path | None, str | None]:
+    """The newest committed checkpoint of the first of `stores` that has one, downloaded. When no store has
+    one: `local_error` (why ``last`` found nothing locally) is raised if there is one; else fit starts a new
+    run (None, `message`) and the other stages raise."""
     for url in stores:
         try:
             path = ckpt.fetch_checkpoint(url, "ModelCheckpoint(dirpath)")
@@ -262,6 +267,8 @@ def _last_on_stores(stores: Sequence[str], stage: str, message: str | None) -> t
             continue
         what = "resuming from" if stage == "fit" else f"{stage}: loading"
         return path, f"{what} {redact(url)}/{path.name} ({ckpt.describe(path)}), the newest on the store"
+    if local_error is not None:
+        raise local_error
     if stage != "fit":
         where = ", ".join(map(redact, stores))
         raise ckpt.CheckpointError(f"ckpt_path='last': no complete checkpoint here nor in {where}")
