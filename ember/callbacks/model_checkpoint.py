@@ -6,6 +6,7 @@ import functools
 import math
 import re
 import shutil
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -103,6 +104,7 @@ class ModelCheckpoint(Callback):
             self.store_url, dirpath = dirpath.rstrip("/"), None  # written locally first, in the run directory
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self._mirror: StoreMirror | None = None
+        self._removing: threading.Thread | None = None  # deleting evicted checkpoints
         self.filename = filename
         self.auto_insert_metric_name = auto_insert_metric_name
         self.monitor = monitor
@@ -182,6 +184,20 @@ class ModelCheckpoint(Callback):
         except (OSError, RuntimeError):
             return False
 
+    def _remove_in_background(self, paths: list[str]) -> None:
+        """Delete evicted checkpoints on a thread of their own: a large checkpoint takes a while to delete,
+        and the loop need not wait for it (`teardown` and the next eviction do)."""
+        if not paths:
+            return
+        self._wait_for_removals()
+        self._removing = threading.Thread(target=self._remove_all, args=(paths,), name="ember-evict", daemon=True)
+        self._removing.start()
+
+    def _wait_for_removals(self) -> None:
+        removing, self._removing = self._removing, None
+        if removing is not None:
+            removing.join()
+
     def _remove_all(self, paths: list[str]) -> None:
         for path in paths:
             self._remove(path)
@@ -205,7 +221,9 @@ class ModelCheckpoint(Callback):
             self._mirror = StoreMirror(self.store_url)
 
     def teardown(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
-        """With a store ``dirpath``: wait for the uploads still queued; raise the first that failed."""
+        """Wait for evicted checkpoints to be deleted, and with a store ``dirpath`` for the uploads still queued;
+        raise the first upload that failed."""
+        self._wait_for_removals()
         mirror, self._mirror = self._mirror, None
         if mirror is not None:
             mirror.close()
@@ -320,8 +338,7 @@ class ModelCheckpoint(Callback):
         def after_write(written: Path) -> None:  # runs once `written` is complete and `last` names it
             obsolete = [old for old in stale if old not in self.kept and old != self.last_model_path]
             if self._mirror is None:
-                for old in obsolete:
-                    self._remove(old)
+                self._remove_in_background(obsolete)
                 return
             # The store keeps what the folder keeps; a local checkpoint is deleted only once the uploads
             # queued before (its own among them) are done, on the upload thread.
