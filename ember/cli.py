@@ -313,10 +313,11 @@ _STRATEGY_NAMES = {
 
 
 def _checkpoint_option(args: argparse.Namespace) -> str | None:
+    from ember.checkpoint.store import is_url
     from ember.config import ConfigError
 
     value = args.ckpt
-    if value is not None and value not in ("last", "best") and not Path(value).exists():
+    if value is not None and value not in ("last", "best") and not is_url(value) and not Path(value).exists():
         raise ConfigError(f"--ckpt: no checkpoint at {value}; give a checkpoint path, 'last' or 'best'")
     if value is None and args.command != "fit" and not args.print_config:
         print(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import shutil
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -12,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import Callback
 from ember.callbacks.monitored import check_after_sanity
+from ember.checkpoint.store import check_url, is_url
 
 if TYPE_CHECKING:
+    from ember.checkpoint.mirror import StoreMirror
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
 
@@ -50,6 +54,12 @@ class ModelCheckpoint(Callback):
       not logged is an error (Lightning writes 0).
     - ``save_weights_only`` writes module weights only (not resumable);
       ``async_save`` writes in a background thread while training goes on.
+    - ``dirpath`` may be a URL (``s3://bucket/ckpts``, any fsspec protocol):
+      each checkpoint is written to ``<run dir>/checkpoints`` first, then
+      uploaded in the background and committed on the store by a manifest
+      written last (`ember.checkpoint.mirror`); the store's ``last`` follows,
+      and evicted checkpoints leave the store too. Resume anywhere with
+      ``ckpt_path="s3://bucket/ckpts/last"``.
 
     `best_model_path` / `best_model_score` name the best checkpoint; the
     callback's own state (kept checkpoints, best score) survives a resume.
@@ -86,7 +96,15 @@ class ModelCheckpoint(Callback):
                 f"ModelCheckpoint(filename={filename!r}): a checkpoint is one directory in dirpath; drop the '/' "
                 "(put folders in dirpath)"
             )
+        #: The store folder checkpoints are uploaded to (``dirpath`` given as a URL), else None.
+        self.store_url: str | None = None
+        if is_url(dirpath):
+            assert isinstance(dirpath, str)
+            check_url(dirpath, "ModelCheckpoint(dirpath)")
+            self.store_url, dirpath = dirpath.rstrip("/"), None  # written locally first, in the run directory
         self.dirpath = Path(dirpath) if dirpath is not None else None
+        self._mirror: StoreMirror | None = None
+        self._removing: threading.Thread | None = None  # deleting evicted checkpoints
         self.filename = filename
         self.auto_insert_metric_name = auto_insert_metric_name
         self.monitor = monitor
@@ -149,6 +167,9 @@ class ModelCheckpoint(Callback):
         self.last_model_path = last if isinstance(last, str) and self._owns(last) else ""
         step = state["last_saved_step"]
         self._last_saved_step = step if isinstance(step, int) else -1
+        if self._mirror is not None:  # the store holds the resumed run's checkpoints under the same names
+            names = [Path(p).name for p in (*kept, last) if isinstance(p, str) and p]
+            self._mirror.adopt([n for n in names if _is_checkpoint_name(n)])
 
     def _owns(self, path: str) -> bool:
         """Whether `path` names a checkpoint directory directly inside `dirpath` (by resolved path; a
@@ -163,6 +184,24 @@ class ModelCheckpoint(Callback):
         except (OSError, RuntimeError):
             return False
 
+    def _remove_in_background(self, paths: list[str]) -> None:
+        """Delete evicted checkpoints on a thread of their own: a large checkpoint takes a while to delete,
+        and the loop need not wait for it (`teardown` and the next eviction do)."""
+        if not paths:
+            return
+        self._wait_for_removals()
+        self._removing = threading.Thread(target=self._remove_all, args=(paths,), name="ember-evict", daemon=True)
+        self._removing.start()
+
+    def _wait_for_removals(self) -> None:
+        removing, self._removing = self._removing, None
+        if removing is not None:
+            removing.join()
+
+    def _remove_all(self, paths: list[str]) -> None:
+        for path in paths:
+            self._remove(path)
+
     def _remove(self, path: str) -> None:
         """Delete an evicted checkpoint of this callback; anything else is left alone."""
         if self._owns(path) and (Path(path) / "ember.pt").exists():
@@ -176,6 +215,18 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
         if self.dirpath is None and stage == "fit":
             self.dirpath = trainer.run_dir / "checkpoints"
+        if self.store_url is not None and stage == "fit" and trainer.is_global_zero and self._mirror is None:
+            from ember.checkpoint.mirror import StoreMirror
+
+            self._mirror = StoreMirror(self.store_url)
+
+    def teardown(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
+        """Wait for evicted checkpoints to be deleted, and with a store ``dirpath`` for the uploads still queued;
+        raise the first upload that failed."""
+        self._wait_for_removals()
+        mirror, self._mirror = self._mirror, None
+        if mirror is not None:
+            mirror.close()
 
     def on_train_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._last_save_time = time.monotonic()
@@ -282,10 +333,18 @@ class ModelCheckpoint(Callback):
         self._last_saved_step = trainer.global_step
         self._last_save_time = time.monotonic()
 
+        step = trainer.global_step
+
         def after_write(written: Path) -> None:  # runs once `written` is complete and `last` names it
-            for old in stale:
-                if old not in self.kept and old != self.last_model_path:
-                    self._remove(old)
+            obsolete = [old for old in stale if old not in self.kept and old != self.last_model_path]
+            if self._mirror is None:
+                self._remove_in_background(obsolete)
+                return
+            # The store keeps what the folder keeps; a local checkpoint is deleted only once the uploads
+            # queued before (its own among them) are done, on the upload thread.
+            keep = {Path(p).name for p in (*self.kept, self.last_model_path) if p}
+            remove = functools.partial(self._remove_all, obsolete)
+            self._mirror.submit(written, step, self.save_last or force_last, keep, after=remove)
 
         trainer.save_checkpoint(
             path,

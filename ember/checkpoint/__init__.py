@@ -9,6 +9,8 @@ The package, by concern (docs/architecture.md):
 - `reading`: metadata, ``ember.pt``, tensors, loading weights with errors that say what differs;
 - `bounds`: every size a file claims (a tensor's shape and dtype, a chunk's place in a shard, a record's
   length, the file's own size) checked against the files before anything is read or allocated;
+- `store`, `manifest`, `mirror`: object storage (``s3://``, any fsspec URL): URLs told from paths, the commit
+  protocol without rename (files, then a manifest, then ``last``), a run's checkpoints uploaded in the background;
 - `locating`: run directories (claimed atomically), ``last``, ``best``, what a ``ckpt_path`` names;
 - `dcp_writer`, `dcp_metadata`: torch.distributed.checkpoint's files, written fast for one process and
   read through a restricted unpickler;
@@ -53,6 +55,7 @@ from ember.checkpoint.locating import (
     summarize,
     versions_newest_first,
 )
+from ember.checkpoint.manifest import fetch_checkpoint
 from ember.checkpoint.reading import (
     check_complete,
     differences,
@@ -65,6 +68,7 @@ from ember.checkpoint.reading import (
     read_shards,
     read_tensors,
 )
+from ember.checkpoint.store import is_url
 from ember.checkpoint.writing import (
     StagedCheckpoint,
     point_last_at,
@@ -89,9 +93,11 @@ __all__ = [
     "describe",
     "differences",
     "epoch_label",
+    "fetch_checkpoint",
     "find_best",
     "find_last",
     "is_fit_run",
+    "is_url",
     "join_checked",
     "join_tensors",
     "load_weights_into",

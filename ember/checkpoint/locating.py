@@ -19,8 +19,10 @@ from typing import Any
 
 from ember.checkpoint.files import is_plain_name, read_regular
 from ember.checkpoint.format import LAST_FILE, META_FILE, CheckpointError
+from ember.checkpoint.manifest import fetch_checkpoint
 from ember.checkpoint.reading import check_complete, read_meta
 from ember.checkpoint.run_status import read_status
+from ember.checkpoint.store import is_url, redact
 
 #: The folder of a run directory that ``ModelCheckpoint`` writes to by default.
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -384,12 +386,21 @@ def resolve_ckpt_path(
     directory is continued (no checkpoint: None, and fit starts a new run, saying so). Only fit runs count
     (`is_fit_run`), and fit looks at the newest one alone: when it has no checkpoint while an older run has,
     `NewestRunHasNoCheckpoint`. ``"best"``: `find_best`. A run directory (``runs/net/version_0``): its
-    newest checkpoint, and fit continues that run. Anything else is a checkpoint directory or a ``last`` file.
+    newest checkpoint, and fit continues that run. A URL (``s3://...``) is a checkpoint on a store, its
+    folder's ``last`` or the folder (`ember.checkpoint.manifest.fetch`), downloaded into a temporary folder.
+    Anything else is a checkpoint directory or a ``last`` file.
 
     fit continues the run only for ``"last"``; any other checkpoint starts a new version. validate, test
     and predict of a checkpoint inside a run directory write into that run (`run_dir_of`). The line says
     which checkpoint was chosen and what it holds (`describe`), and for ``last``/``best`` which run.
     """
+    if is_url(ckpt_path):  # on a store: downloaded and checked against its manifest, then read as usual
+        path = fetch_checkpoint(str(ckpt_path))
+        check_complete(path)
+        shown = redact(str(ckpt_path))
+        if stage == "fit":
+            return path, None, f"resuming from {shown} ({describe(path)}) in a new run"
+        return path, None, f"{stage}: loading {shown} ({describe(path)})"
     versions = versions_newest_first(run_root)
     if run is not None:
         chosen = run_root / run

@@ -24,6 +24,7 @@ from ember import checkpoint as ckpt
 from ember.checkpoint import data_position, registry
 from ember.checkpoint.hparams import for_checkpoint
 from ember.checkpoint.run_lock import RunLock
+from ember.checkpoint.store import redact
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -177,6 +178,7 @@ class CheckpointManager:
         stage: str,
         folders: Sequence[Path] = (),
         known_best: str | None = None,
+        stores: Sequence[str] = (),
     ) -> tuple[Path | None, Path | None]:
         """(the checkpoint `ckpt_path` names, the run directory fit continues or None); see
         `ember.checkpoint.resolve_ckpt_path`. `folders` (explicit ``ModelCheckpoint(dirpath=...)``) are
@@ -184,10 +186,21 @@ class CheckpointManager:
 
         For fit, a ``last`` that the saves could not replace (a directory) in a folder it will save into
         (`folders`, the continued run's checkpoints) is refused here, before any step
-        (`ember.checkpoint.check_last_replaceable`)."""
+        (`ember.checkpoint.check_last_replaceable`).
+
+        ``"last"`` with no local checkpoint takes the newest committed one of `stores` (the URLs of
+        ``ModelCheckpoint(dirpath=URL)``): a run continued on a machine that shares nothing but the store."""
         path, run_dir, message = None, None, None
         if ckpt_path is not None:
-            path, run_dir, message = ckpt.resolve_ckpt_path(ckpt_path, run_root, stage, list(folders), known_best)
+            local_error: ckpt.CheckpointError | None = None
+            try:
+                path, run_dir, message = ckpt.resolve_ckpt_path(ckpt_path, run_root, stage, list(folders), known_best)
+            except ckpt.CheckpointError as exc:
+                if ckpt_path != "last" or not stores:
+                    raise
+                local_error = exc
+            if ckpt_path == "last" and path is None and stores:
+                path, message = _last_on_stores(stores, stage, message, local_error)
         if stage == "fit":
             for folder in [*folders, *([run_dir / ckpt.CHECKPOINT_SUBDIR] if run_dir is not None else [])]:
                 ckpt.check_last_replaceable(folder)
@@ -239,6 +252,27 @@ class CheckpointManager:
         """Make every pending request a synchronous one (the process is about to exit)."""
         for request in self.pending:
             request.async_save = False
+
+
+def _last_on_stores(
+    stores: Sequence[str], stage: str, message: str | None, local_error: ckpt.CheckpointError | None
+) -> tuple[Path | None, str | None]:
+    """The newest committed checkpoint of the first of `stores` that has one, downloaded. When no store has
+    one: `local_error` (why ``last`` found nothing locally) is raised if there is one; else fit starts a new
+    run (None, `message`) and the other stages raise."""
+    for url in stores:
+        try:
+            path = ckpt.fetch_checkpoint(url, "ModelCheckpoint(dirpath)")
+        except ckpt.CheckpointError:
+            continue
+        what = "resuming from" if stage == "fit" else f"{stage}: loading"
+        return path, f"{what} {redact(url)}/{path.name} ({ckpt.describe(path)}), the newest on the store"
+    if local_error is not None:
+        raise local_error
+    if stage != "fit":
+        where = ", ".join(map(redact, stores))
+        raise ckpt.CheckpointError(f"ckpt_path='last': no complete checkpoint here nor in {where}")
+    return None, message
 
 
 def _telling_loggers(trainer: Trainer, on_done: OnDone | None) -> OnDone:

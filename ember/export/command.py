@@ -64,6 +64,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     A failed export or check is one line on stderr and exit code 1; config mistakes raise `ConfigError`.
     """
     from ember import config
+    from ember.checkpoint.store import is_url, redact
     from ember.export import FORMATS, ExportError
     from ember.export import export as export_module
     from ember.export.rebuild import example_input, find_checkpoint, rebuild_module
@@ -80,6 +81,11 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         config.check(loaded, resolved)
     elif overrides:
         raise config.ConfigError(f"command line: {overrides[0]!r}: overrides change a config; give one with -c FILE")
+    if is_url(args.out):
+        raise config.ConfigError(
+            f"--out {redact(args.out)}: exports are written to a local folder; give one and copy "
+            "the file to the store afterwards"
+        )
     start = time.perf_counter()
     path = find_checkpoint(args.ckpt, resolved, args.module)
     module, data_config = rebuild_module(path, resolved, args.module, args.trust_checkpoint)

@@ -40,7 +40,11 @@ def find_checkpoint(ckpt: str, config: dict[str, Any] | None, module_class: str 
             trainer = config["trainer"]
             name = trainer["run_name"] or run_name(import_target(config["module"]["_target_"]))
             root = Path(trainer["default_root_dir"]) / name
-            folders = [Path(spec["dirpath"]) for spec in trainer["callbacks"] or [] if _is_checkpoint_callback(spec)]
+            folders = [
+                Path(spec["dirpath"])
+                for spec in trainer["callbacks"] or []
+                if _is_checkpoint_callback(spec) and not checkpoint.is_url(spec["dirpath"])  # local copies first
+            ]
         elif module_class is not None:
             root, folders = Path("runs") / run_name(_user_class(module_class)), []
         else:
@@ -59,6 +63,8 @@ def find_checkpoint(ckpt: str, config: dict[str, Any] | None, module_class: str 
             )
         return found[0]
     try:
+        if checkpoint.is_url(ckpt):  # on a store: downloaded and checked against its manifest
+            return checkpoint.resolve_path(checkpoint.fetch_checkpoint(ckpt, "--ckpt"))
         return checkpoint.resolve_path(Path(ckpt))
     except checkpoint.CheckpointError as exc:
         raise ConfigError(f"--ckpt: {exc}") from exc

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ember.checkpoint.store import is_url, redact
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -51,6 +53,11 @@ class Logger:
     holds_until_save: bool = True
 
     def __init__(self, save_dir: str | os.PathLike[str] | None = None) -> None:
+        if is_url(save_dir):
+            raise ValueError(
+                f"{type(self).__name__}(save_dir={redact(str(save_dir))}): logs are written to a local folder; "
+                "give a local save_dir (syncing logs to object storage is not supported yet)"
+            )
         self._save_dir = Path(save_dir) if save_dir is not None else None
 
     def attach(self, run_dir: Path) -> None:

@@ -138,7 +138,10 @@ def prepare(
     savers = [cb for cb in trainer.user_callbacks if isinstance(cb, ModelCheckpoint)]
     folders = [Path(cb.dirpath) for cb in savers if cb.dirpath]
     known_best = next((cb.best_model_path for cb in savers if cb.best_model_path), None)
-    state.ckpt, continued = trainer.checkpoints.resolve(trainer, ckpt_path, root, stage.name, folders, known_best)
+    stores = [cb.store_url for cb in savers if cb.store_url]
+    state.ckpt, continued = trainer.checkpoints.resolve(
+        trainer, ckpt_path, root, stage.name, folders, known_best, stores
+    )
     claimed: tuple[Path, Path] | None = None
     if continued is not None:
         state.run_dir = continued

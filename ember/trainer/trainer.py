@@ -24,6 +24,7 @@ from ember.callbacks.callback import Callback
 from ember.callbacks.callback_list import CallbackList
 from ember.callbacks.model_checkpoint import ModelCheckpoint
 from ember.checkpoint.manager import CheckpointManager, info
+from ember.checkpoint.store import is_url, redact
 from ember.loggers.logger import Logger
 from ember.modules.datamodule import DataModule
 from ember.modules.logging import MetricCollector
@@ -499,6 +500,11 @@ class Trainer:
         ``set_last`` points the ``last`` file beside `path` at it once it is
         complete; ``on_done(path)`` runs on this thread after that.
         """
+        if is_url(path):
+            raise ValueError(
+                f"save_checkpoint({redact(str(path))!r}): a single checkpoint is written to a local path; to keep "
+                "checkpoints on object storage use ModelCheckpoint(dirpath=URL)"
+            )
         module = self.run_state.module
         if module is None:
             raise RuntimeError("save_checkpoint needs a module: call it during or after fit/validate/test/predict")

@@ -26,6 +26,7 @@ SHORT_RUNS = {
     # starts itself under torchrun (2 gloo processes); --nproc is for the relaunch, not for torchrun
     "ddp_overhead.py": ["--short", "--nproc", "2"],
     "cold_start.py": ["--repeats", "1"],
+    "store_checkpoint.py": ["--short"],  # starts moto's S3 server on 127.0.0.1
     # real_workloads.py --short: tests/integration/test_real_workloads.py (checks its figures as well)
 }
 

@@ -1,0 +1,248 @@
+"""Checkpoints on a real S3 API server (moto's standalone server on 127.0.0.1, started by a fixture): a fit
+whose process is SIGKILLed at generated instants while it saves, uploads and evicts, relaunched each time on
+an empty local directory (a new machine: nothing shared but the store), resumed from the store's ``last``,
+ends with parameters bitwise equal to an uninterrupted run. After every kill the store's ``last`` (or its
+newest committed checkpoint) downloads and matches its manifest. Credentials come from the environment only
+and appear in no checkpoint, object or message."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember.checkpoint import manifest
+from ember.checkpoint.store import open_store
+
+pytest.importorskip("s3fs", reason="s3:// needs s3fs (pip install -e '.[dev]')")
+SERVER = Path(sys.executable).parent / "moto_server"
+REPO = Path(__file__).resolve().parents[2]
+KEY_ID, SECRET = "AKIDEMBERTEST0001", "ember-test-secret-Zq9xW"
+
+ZYGOTE = """
+# Imports everything once, then forks one fit per "run" line on stdin (a launch costs milliseconds, not the
+# seconds of importing torch); "wait PID" reaps a child and prints its exit status.
+import os, sys, traceback
+import torch
+from pathlib import Path
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+import ember
+from ember.callbacks.model_checkpoint import ModelCheckpoint
+from ember.checkpoint import manifest
+from ember.checkpoint.store import open_store
+import s3fs
+import torch._dynamo, torch.distributed.checkpoint  # what a fit imports on first use, imported before forking
+
+class Net(ember.TrainingModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 256), nn.Dropout(0.1), nn.Linear(256, 256), nn.Linear(256, 1))
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+    def on_train_start(self):
+        Path(self.hparams_marker).write_text("training")
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+def fit(url, local, out, marker):
+    torch.set_num_threads(1)
+    fs, root = open_store(url)
+    resume = url + "/last" if manifest.newest(fs, root, url) is not None else None
+    ember.seed_everything(0)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 1, generator=g))
+    loader = DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1))
+    saver = ModelCheckpoint(dirpath=url, every_n_train_steps=1, save_top_k=2, async_save=True)
+    trainer = ember.Trainer(max_steps=24, default_root_dir=local, callbacks=[saver], logger=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+    module = Net()
+    module.hparams_marker = marker
+    trainer.fit(module, loader, ckpt_path=resume)
+    torch.save([p.detach() for p in module.parameters()], out)
+
+for line in sys.stdin:
+    command, *args = line.rstrip("\\n").split("\\t")
+    if command == "run":
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(2, 1)
+            code = 1
+            try:
+                fit(*args)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        print(pid, flush=True)
+    elif command == "wait":
+        print(os.waitstatus_to_exitcode(os.waitpid(int(args[0]), 0)[1]), flush=True)
+"""
+
+
+class Zygote:
+    """The process that forks the fits (see ZYGOTE); its and their stderr go to `log`."""
+
+    def __init__(self, script: Path, log: Path, env: dict[str, str]) -> None:
+        self.log = open(log, "w")  # noqa: SIM115 - closed in close()
+        environ = dict(os.environ, **env, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TMPDIR=str(log.parent))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script)], env=environ, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self.log, text=True,
+        )  # fmt: skip
+
+    def _ask(self, *words: str) -> int:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("\t".join(words) + "\n")
+        self.proc.stdin.flush()
+        return int(self.proc.stdout.readline())
+
+    def run(self, url: str, local: Path, out: Path, marker: Path) -> int:
+        return self._ask("run", url, str(local), str(out), str(marker))
+
+    def wait(self, pid: int) -> int:
+        return self._ask("wait", str(pid))
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 for this module's tests; stopped (its process group) afterwards."""
+    if not SERVER.exists():
+        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [str(SERVER), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    pytest.fail("moto_server did not start within 30 s")
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_env(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """Dummy credentials and the endpoint, from the environment only (as a real deployment would)."""
+    env = {
+        "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": s3_endpoint,
+    }  # fmt: skip
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    import fsspec
+
+    fsspec.AbstractFileSystem.clear_instance_cache()  # an s3fs made before the env changed would be reused
+    yield env
+    fsspec.AbstractFileSystem.clear_instance_cache()
+
+
+def _bucket(env: dict[str, str]) -> str:
+    import s3fs
+
+    name = f"ember-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem().mkdir(name)
+    return name
+
+
+def _partial(fs: object, root: str) -> int:
+    """Checkpoint folders on the store without a manifest (an upload a kill interrupted)."""
+    found = 0
+    if not fs.exists(root):  # type: ignore[attr-defined]
+        return 0
+    for info in fs.ls(root, detail=True, refresh=True):  # type: ignore[attr-defined]
+        if info["type"] == "directory" and not fs.exists(f"{info['name']}/{manifest.MANIFEST_FILE}"):  # type: ignore[attr-defined]
+            found += 1
+    return found
+
+
+@pytest.mark.slow  # about 55 s on 2 cores: 31 forked fits, each about 1 s to its first step
+def test_sigkill_during_saves_uploads_and_evictions_then_resume_from_the_store_is_bitwise_exact(
+    tmp_path: Path, s3_env: dict[str, str]
+) -> None:
+    script = tmp_path / "zygote.py"
+    script.write_text(ZYGOTE)
+    (tmp_path / "tmp").mkdir()
+    zygote = Zygote(script, tmp_path / "tmp" / "fits.log", s3_env)
+    try:
+        _kill_and_resume(tmp_path, zygote, _bucket(s3_env))
+    finally:
+        zygote.close()
+    log = (tmp_path / "tmp" / "fits.log").read_text()
+    assert SECRET not in log and KEY_ID not in log
+
+
+def _kill_and_resume(tmp_path: Path, zygote: Zygote, bucket: str) -> None:
+    reference = tmp_path / "reference.pt"
+    pid = zygote.run(f"s3://{bucket}/reference", tmp_path / "ref", reference, tmp_path / "m-ref")
+    assert zygote.wait(pid) == 0, (tmp_path / "tmp" / "fits.log").read_text()[-3000:]
+
+    url, out, rng = f"s3://{bucket}/ckpts", tmp_path / "final.pt", random.Random(35)
+    fs, root = open_store(url)
+    kills = partial_seen = restarts = 0
+    while kills < 30:
+        marker = tmp_path / f"m{kills}-{restarts}"
+        pid = zygote.run(url, tmp_path / f"machine-{kills}-{restarts}", out, marker)
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.5))  # into training: steps, async saves, uploads, evictions
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        code = zygote.wait(pid)
+        if code == 0:  # finished before the kill: start over so that every launch can be killed
+            restarts += 1
+            out.unlink()
+            fs.rm(root, recursive=True)
+            continue
+        assert code == -signal.SIGKILL, (tmp_path / "tmp" / "fits.log").read_text()[-3000:]
+        kills += 1
+        partial_seen += _partial(fs, root) > 0
+        if manifest.newest(fs, root, url) is not None:  # what a reader trusts after this kill loads
+            local = manifest.fetch(url + "/last", fs, root + "/last", tmp_path / f"check-{kills}")
+            assert (local / "ember.pt").is_file()
+    pid = zygote.run(url, tmp_path / "machine-final", out, tmp_path / "m-final")
+    assert zygote.wait(pid) == 0, (tmp_path / "tmp" / "fits.log").read_text()[-3000:]
+    expected, got = torch.load(reference), torch.load(out)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert kills >= 30
+    assert partial_seen >= 1  # some kills landed inside an upload (files written, manifest not yet)
+    for key in fs.find(bucket):  # nothing secret in any object on the store
+        data = fs.cat_file(key)
+        assert SECRET.encode() not in data and KEY_ID.encode() not in data, key

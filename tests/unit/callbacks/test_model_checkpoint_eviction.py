@@ -1,0 +1,58 @@
+"""Top-k eviction off the training loop: an evicted checkpoint is deleted on a thread of its own, after its
+replacement is complete, and every deletion is done when fit returns."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+from ember.callbacks import model_checkpoint
+from ember.callbacks.model_checkpoint import ModelCheckpoint
+
+
+class Tiny(ember.TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(3, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_evicted_checkpoints_are_deleted_off_the_loop_and_gone_when_fit_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deleted: list[tuple[str, str]] = []
+    rmtree = shutil.rmtree
+
+    def recording(path: Any, *args: Any, **kwargs: Any) -> None:
+        if not Path(path).name.startswith("."):  # shutil is shared: temporaries of the writes are removed too
+            deleted.append((Path(path).name, threading.current_thread().name))
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(model_checkpoint.shutil, "rmtree", recording)
+    data = TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
+    saver = ModelCheckpoint(every_n_train_steps=1, save_top_k=2)
+    trainer = ember.Trainer(max_steps=6, default_root_dir=tmp_path, callbacks=[saver], logger=False,
+                            enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(Tiny(), DataLoader(data, batch_size=4))
+    assert [name for name, _ in deleted] == [f"epoch=0-step={s}" for s in (1, 2, 3, 4)]
+    assert {thread for _, thread in deleted} == {"ember-evict"}
+    folder = saver.dirpath
+    assert folder is not None
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == [
+        "epoch=1-step=5", "epoch=1-step=6", "last",
+    ]  # fmt: skip
