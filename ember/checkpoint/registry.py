@@ -245,12 +245,14 @@ def gather(
     weights_only: bool,
     copy: bool,
     staging: dict[str, Tensor] | None = None,
+    on_cpu: bool = False,
 ) -> Snapshot:
     """Collect the registry; with `copy`, tensors are copied so training may go on while it is written.
 
     The copies go into `staging` (tensors of an earlier snapshot whose write has finished, reused when
     key, shape, dtype and device match, else allocated and kept there): a periodic async save then
-    costs the loop one memory copy, not an allocation that touches fresh pages.
+    costs the loop one memory copy, not an allocation that touches fresh pages. With `on_cpu` the copies are
+    in host memory (a rewind's snapshot: device memory stays the model's).
     """
     entries = registry(trainer, module)
     names = ("module",) if weights_only else tuple(entries)
@@ -270,19 +272,20 @@ def gather(
     epoch_start = trainer.fit_loop.epoch_start_state if trainer.fit_loop is not None else None
     rank_state = {"rng": capture_rng(), "epoch_start": epoch_start, **data_state(trainer)}
     if copy:
-        tensors = {k: _copy_into(staging, k, v.detach()) for k, v in tensors.items()}
+        tensors = {k: _copy_into(staging, k, v.detach(), on_cpu) for k, v in tensors.items()}
         meta, rank_state = copy_module.deepcopy(meta), copy_module.deepcopy(rank_state)
     strategy = trainer.strategy
     group = getattr(strategy, "checkpoint_group", None)
     return Snapshot(meta, tensors, rank_state, strategy.global_rank, strategy.world_size, group)
 
 
-def _copy_into(staging: dict[str, Tensor] | None, key: str, value: Tensor) -> Tensor:
+def _copy_into(staging: dict[str, Tensor] | None, key: str, value: Tensor, on_cpu: bool = False) -> Tensor:
     if staging is None or type(value) is not torch.Tensor:  # e.g. FSDP's DTensors: a fresh clone
-        return value.clone()
+        return value.to("cpu", copy=True) if on_cpu and type(value) is torch.Tensor else value.clone()
+    device = torch.device("cpu") if on_cpu else value.device
     buffer = staging.get(key)
-    if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype or buffer.device != value.device:
-        buffer = staging[key] = torch.empty_like(value, memory_format=torch.contiguous_format)
+    if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype or buffer.device != device:
+        buffer = staging[key] = torch.empty_like(value, device=device, memory_format=torch.contiguous_format)
     return buffer.copy_(value)
 
 
@@ -395,3 +398,25 @@ def _config_differences(meta: dict[str, Any], trainer: Trainer, module: Training
         if not isinstance(saved, dict):
             return []
     return [f"{key}: {old!r} in the checkpoint, {new!r} now" for key, old, new in ckpt.differences(saved, now, prefix)]
+
+
+#: The entries a rewind puts back: the training state. Callbacks and loggers keep theirs (they saw what happened).
+TRAINING_ENTRIES = ("module", "optimizers", "lr_schedulers", "precision", "progress", "metrics", "datamodule")
+
+
+def restore_snapshot(trainer: Trainer, module: TrainingModule, snapshot: Snapshot) -> None:
+    """Put back the `TRAINING_ENTRIES` of an in-memory `gather(..., copy=True)` snapshot (a rewind).
+
+    The snapshot's tensors are copied first: the optimizers take the tensors they load as their own state and
+    update them in place, and the snapshot must stay as it was for a later rewind to the same point.
+    """
+    where = Path("<in-memory snapshot>")
+    tensors = {key: value.clone() for key, value in snapshot.tensors.items()}
+    tensor_state = ckpt.join_checked(where, snapshot.meta["tensor_skeleton"], tensors)
+    loaded = Loaded(where, snapshot.meta, tensor_state, snapshot.rank_state)
+    load_module_weights(module, loaded, trainer.strategy.load_module_state)
+    entries = registry(trainer, module)
+    _load_entry(where, "optimizers", entries["optimizers"], tensor_state["optimizers"])
+    for name, state in snapshot.meta["state"].items():
+        if name in TRAINING_ENTRIES and name in entries:
+            _load_entry(where, name, entries[name], copy_module.deepcopy(state))
