@@ -111,6 +111,12 @@ class SpikeGuard(Callback):
         self._lr_until = -1  # the step at which a learning-rate scale ends (-1: none in force)
 
     # --- hooks -----------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
+        """A new fit starts with nothing kept (a resumed one gets its record back from the checkpoint)."""
+        if stage == "fit":
+            self.rewinds, self._losses, self._steps, self._history, self._checked = [], [], [], None, 0
+            self._snapshot, self._snapshot_step, self._lr_until = None, 0, -1
+
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
         """The first snapshot: the fit's start (a resumed fit takes its first after its first clean check)."""
         if self._snapshot is None and trainer.progress.batch_idx == 0 and trainer.global_step == 0:

@@ -87,7 +87,7 @@ class Regressor(ember.TrainingModule):
         x, y = batch
         loss = self.loss_fn(self.model(x), y)
         if self.record_losses:
-            self.losses.append(float(loss))  # a host sync per step: only when a figure asks for the curve
+            self.losses.append(float(loss.detach()))  # a host sync per step: only when a figure asks for the curve
         return loss
 
     record_losses = False

@@ -238,3 +238,13 @@ def test_the_guard_reads_the_device_only_at_its_checks(tmp_path: Path, monkeypat
     for step in without:
         extra.remove(step)
     assert sorted(extra) == list(range(8, 65, 8))  # one read per check (every 8 steps), none in between
+
+
+def test_a_guard_used_for_a_second_fit_starts_afresh(tmp_path: Path) -> None:
+    """Its snapshot belongs to the first fit: going back to it in the second would restore another run."""
+    ids = batch_ids(24 * 4, 4)
+    guard = SpikeGuard(factor=50, window=4, warmup_steps=2, check_every_n_steps=2, snapshot_every_n_steps=2)
+    fit(tmp_path / "first", PoisonData(96, frozenset(ids[9])), 4, guard, lr=0.02)
+    assert len(guard.rewinds) == 1
+    fit(tmp_path / "second", PoisonData(96, frozenset(ids[15])), 4, guard, lr=0.02)
+    assert [r["restored_step"] for r in guard.rewinds] == [14]
