@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +104,7 @@ class SpikeGuard(Callback):
         self.rewinds: list[dict[str, Any]] = []
         self._losses: list[Tensor] = []  # unchecked losses, one per batch
         self._steps: list[int] = []  # the optimizer step each of them fed (1-based)
-        self._history: Tensor | None = None  # the last `window` checked losses
+        self._history: list[float] = []  # the last `window` checked losses
         self._checked = 0  # steps checked since the fit started
         self._snapshot: Snapshot | None = None
         self._snapshot_step = 0  # the global step it holds
@@ -114,7 +115,7 @@ class SpikeGuard(Callback):
     def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
         """A new fit starts with nothing kept (a resumed one gets its record back from the checkpoint)."""
         if stage == "fit":
-            self.rewinds, self._losses, self._steps, self._history, self._checked = [], [], [], None, 0
+            self.rewinds, self._losses, self._steps, self._history, self._checked = [], [], [], [], 0
             self._snapshot, self._snapshot_step, self._lr_until = None, 0, -1
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
@@ -152,23 +153,20 @@ class SpikeGuard(Callback):
     def _check(self, trainer: Trainer) -> tuple[int, float, float] | None:
         """The first kept loss that is a spike: (its step, its value, the median it was compared with); None if
         none is. One host sync (and one all-reduce with several processes)."""
-        losses, steps = torch.stack(self._losses).float(), self._steps
+        losses, steps = torch.stack(self._losses), self._steps
         self._losses, self._steps = [], []
         if trainer.world_size > 1:
-            losses = trainer.strategy.reduce(losses, "mean")
-        bad = ~torch.isfinite(losses)
-        median = torch.full((), math.nan, device=losses.device)
-        if self._history is not None and self._checked >= self.warmup_steps:
-            median = self._history.median()
-            bad |= losses > self.factor * median
-        positions = torch.arange(len(steps), device=losses.device)
-        first = int(torch.where(bad, positions, len(steps)).min())  # the check's one host sync
-        if first == len(steps):
-            fine = losses
-            self._checked += len(set(steps))
-            self._history = fine if self._history is None else torch.cat([self._history, fine])[-self.window :]
-            return None
-        return steps[first], float(losses[first]), float(median)
+            losses = trainer.strategy.reduce(losses.float(), "mean")
+        values: list[float] = losses.tolist()  # the check's one host sync
+        history = self._history
+        median = statistics.median(history) if history and self._checked >= self.warmup_steps else math.nan
+        limit = self.factor * median
+        for value, step in zip(values, steps, strict=True):
+            if not math.isfinite(value) or value > limit:  # `> nan` is False: no median yet
+                return step, value, median
+        self._checked += len(set(steps))
+        self._history = (history + values)[-self.window :]
+        return None
 
     # --- rewinding -------------------------------------------------------------------------------
     def _rewind(self, trainer: Trainer, step: int, spike_step: int, value: float, median: float) -> None:

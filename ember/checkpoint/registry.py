@@ -246,16 +246,18 @@ def gather(
     copy: bool,
     staging: dict[str, Tensor] | None = None,
     on_cpu: bool = False,
+    only: tuple[str, ...] | None = None,
 ) -> Snapshot:
     """Collect the registry; with `copy`, tensors are copied so training may go on while it is written.
 
     The copies go into `staging` (tensors of an earlier snapshot whose write has finished, reused when
     key, shape, dtype and device match, else allocated and kept there): a periodic async save then
     costs the loop one memory copy, not an allocation that touches fresh pages. With `on_cpu` the copies are
-    in host memory (a rewind's snapshot: device memory stays the model's).
+    in host memory (a rewind's snapshot: device memory stays the model's). With `only`, just those entries are
+    gathered, without the hyperparameters and config (a rewind's snapshot: what `restore_snapshot` puts back).
     """
     entries = registry(trainer, module)
-    names = ("module",) if weights_only else tuple(entries)
+    names = ("module",) if weights_only else tuple(entries) if only is None else tuple(n for n in only if n in entries)
     states = {name: entries[name].state_dict() for name in names}
     skeleton, tensors = ckpt.split_tensors({k: states.pop(k) for k in _TENSOR_ENTRIES if k in states})
     meta: dict[str, Any] = {
@@ -263,8 +265,8 @@ def gather(
         "weights_only": weights_only,
         "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
         "optimizer_classes": [optimizer_class(opt) for opt in trainer.optimizers],
-        "hparams": for_checkpoint(module.hparams),
-        "config": trainer.run_config,
+        "hparams": for_checkpoint(module.hparams) if only is None else None,
+        "config": trainer.run_config if only is None else None,
         "tensor_skeleton": skeleton,
         "state": states,
     }

@@ -24,7 +24,7 @@ from ember.callbacks.callback import Callback
 from ember.callbacks.callback_list import CallbackList
 from ember.callbacks.model_checkpoint import ModelCheckpoint
 from ember.checkpoint.manager import CheckpointManager, info
-from ember.checkpoint.registry import Snapshot, gather
+from ember.checkpoint.registry import TRAINING_ENTRIES, Snapshot, gather
 from ember.loggers.logger import Logger
 from ember.modules.datamodule import DataModule
 from ember.modules.logging import MetricCollector
@@ -509,14 +509,16 @@ class Trainer:
         return Path(path)
 
     def snapshot(self, staging: dict[str, Tensor] | None = None) -> Snapshot:
-        """An in-memory copy, in host memory, of everything an exact resume restores, taken now: call it at a step
-        boundary (``on_train_batch_end`` of the batch that ended a step). `staging`: tensors of an earlier snapshot
-        to copy into (and to keep the new ones in), so a rolling snapshot allocates once. A `rewind` goes back to it.
+        """An in-memory copy, in host memory, of the training state an exact resume restores (model, optimizers,
+        schedulers, precision, progress, metrics, datamodule, random streams, data position), taken now: call it at
+        a step boundary (``on_train_batch_end`` of the batch that ended a step). `staging`: tensors of an earlier
+        snapshot to copy into (and to keep the new ones in), so a rolling snapshot allocates once. A `rewind` goes
+        back to it.
         """
         loop, module = self._fit_loop, self.run_state.module
         if loop is None or not loop.running or module is None:
             raise RuntimeError("trainer.snapshot() works while a fit trains: call it from a training hook")
-        return gather(self, module, weights_only=False, copy=True, staging=staging, on_cpu=True)
+        return gather(self, module, weights_only=False, copy=True, staging=staging, on_cpu=True, only=TRAINING_ENTRIES)
 
     def rewind(
         self,
