@@ -22,6 +22,7 @@ _WHERE = {
     "ParameterHistograms": "gradient_monitor",
     "ProgressLine": "progress",
     "RichProgressBar": "rich_progress",
+    "SpikeGuard": "spike_guard",
     "ThroughputMonitor": "throughput",
     "Timer": "timer",
 }

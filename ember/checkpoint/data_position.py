@@ -314,3 +314,25 @@ def _consumed(samples: int, sampler: Any) -> int:
         return min(samples, len(sampler))
     except TypeError:
         return samples
+
+
+def batch_samples(loader: Any, epoch_start: dict[str, Any] | None, batches: list[int]) -> list[list[int]] | None:
+    """The dataset indices of this process's batches at epoch positions `batches`, drawn again from the generator
+    states of the epoch's start (`epoch_start`); None when the order cannot be rebuilt (an iterable dataset, a custom
+    batch sampler, a sampler ember cannot replay). Redraws from the global and the loader's generators: call it only
+    where they are put back afterwards (a rewind reopens the epoch from recorded states)."""
+    if not isinstance(loader, DataLoader) or type(loader.batch_sampler) is not BatchSampler or epoch_start is None:
+        return None
+    sampler = loader.sampler
+    if isinstance(sampler, DistributedSampler):
+        order = [int(index) for index in sampler]  # a function of its seed and epoch alone
+    elif isinstance(getattr(loader, "ember_source_sampler", sampler), _REPLAYABLE):
+        source = getattr(loader, "ember_source_sampler", sampler)
+        indices = _Indices(_length(loader.dataset))
+        probe = DataLoader(indices, batch_size=None, sampler=source, generator=loader.generator)
+        restore_epoch_start(probe, epoch_start)
+        order = [int(index) for index in probe]
+    else:
+        return None
+    size = int(loader.batch_size or 1)
+    return [order[b * size : (b + 1) * size] for b in batches]

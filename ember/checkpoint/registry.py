@@ -245,6 +245,8 @@ def gather(
     weights_only: bool,
     copy: bool,
     staging: dict[str, Tensor] | None = None,
+    on_cpu: bool = False,
+    only: tuple[str, ...] | None = None,
 ) -> Snapshot:
     """Collect the registry; with `copy`, tensors are copied so training may go on while it is written.
 
@@ -252,9 +254,12 @@ def gather(
     when key, shape and dtype match, else allocated and kept there (`staging_buffer`). A periodic async save
     then costs the loop one copy, not an allocation that touches fresh pages, and a GPU run keeps no second
     copy of its weights and optimizer state in device memory between saves.
+    With `on_cpu` and no `staging`, the copies are made in host memory too (a rewind's snapshot: device
+    memory stays the model's). With `only`, just those entries are gathered, without the hyperparameters
+    and config (a rewind's snapshot: what `restore_snapshot` puts back).
     """
     entries = registry(trainer, module)
-    names = ("module",) if weights_only else tuple(entries)
+    names = ("module",) if weights_only else tuple(entries) if only is None else tuple(n for n in only if n in entries)
     states = {name: entries[name].state_dict() for name in names}
     skeleton, tensors = ckpt.split_tensors({k: states.pop(k) for k in _TENSOR_ENTRIES if k in states})
     meta: dict[str, Any] = {
@@ -262,8 +267,8 @@ def gather(
         "weights_only": weights_only,
         "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
         "optimizer_classes": [optimizer_class(opt) for opt in trainer.optimizers],
-        "hparams": for_checkpoint(module.hparams),
-        "config": trainer.run_config,
+        "hparams": for_checkpoint(module.hparams) if only is None else None,
+        "config": trainer.run_config if only is None else None,
         "tensor_skeleton": skeleton,
         "state": states,
     }
@@ -271,7 +276,7 @@ def gather(
     epoch_start = trainer.fit_loop.epoch_start_state if trainer.fit_loop is not None else None
     rank_state = {"rng": capture_rng(), "epoch_start": epoch_start, **data_state(trainer)}
     if copy:
-        tensors = {k: _copy_into(staging, k, v.detach()) for k, v in tensors.items()}
+        tensors = {k: _copy_into(staging, k, v.detach(), on_cpu) for k, v in tensors.items()}
         if staging is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the copies into pinned memory ran asynchronously; the writer reads them
         meta, rank_state = copy_module.deepcopy(meta), copy_module.deepcopy(rank_state)
@@ -280,9 +285,9 @@ def gather(
     return Snapshot(meta, tensors, rank_state, strategy.global_rank, strategy.world_size, group)
 
 
-def _copy_into(staging: dict[str, Tensor] | None, key: str, value: Tensor) -> Tensor:
+def _copy_into(staging: dict[str, Tensor] | None, key: str, value: Tensor, on_cpu: bool = False) -> Tensor:
     if staging is None or type(value) is not torch.Tensor:  # e.g. FSDP's DTensors: a fresh clone
-        return value.clone()
+        return value.to("cpu", copy=True) if on_cpu and type(value) is torch.Tensor else value.clone()
     buffer = staging_buffer(staging, key, value)
     return buffer.copy_(value, non_blocking=buffer.is_pinned())
 
@@ -413,3 +418,25 @@ def _config_differences(meta: dict[str, Any], trainer: Trainer, module: Training
         if not isinstance(saved, dict):
             return []
     return [f"{key}: {old!r} in the checkpoint, {new!r} now" for key, old, new in ckpt.differences(saved, now, prefix)]
+
+
+#: The entries a rewind puts back: the training state. Callbacks and loggers keep theirs (they saw what happened).
+TRAINING_ENTRIES = ("module", "optimizers", "lr_schedulers", "precision", "progress", "metrics", "datamodule")
+
+
+def restore_snapshot(trainer: Trainer, module: TrainingModule, snapshot: Snapshot) -> None:
+    """Put back the `TRAINING_ENTRIES` of an in-memory `gather(..., copy=True)` snapshot (a rewind).
+
+    The snapshot's tensors are copied first: the optimizers take the tensors they load as their own state and
+    update them in place, and the snapshot must stay as it was for a later rewind to the same point.
+    """
+    where = Path("<in-memory snapshot>")
+    tensors = {key: value.clone() for key, value in snapshot.tensors.items()}
+    tensor_state = ckpt.join_checked(where, snapshot.meta["tensor_skeleton"], tensors)
+    loaded = Loaded(where, snapshot.meta, tensor_state, snapshot.rank_state)
+    load_module_weights(module, loaded, trainer.strategy.load_module_state)
+    entries = registry(trainer, module)
+    _load_entry(where, "optimizers", entries["optimizers"], tensor_state["optimizers"])
+    for name, state in snapshot.meta["state"].items():
+        if name in TRAINING_ENTRIES and name in entries:
+            _load_entry(where, name, entries[name], copy_module.deepcopy(state))

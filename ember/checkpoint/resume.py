@@ -17,6 +17,7 @@ is resumed through those instead.
 from __future__ import annotations
 
 import array
+import contextlib
 import itertools
 import random
 import sys
@@ -149,6 +150,49 @@ class _SkipFirst:
     def __next__(self) -> Any:
         self.prime()
         return next(self._inner)
+
+
+class _Dropping:
+    """Stands in for a DataLoader's batch sampler (its sampler, when it does not batch) while an epoch's iterator is
+    created: the loader's own entries, without those at the epoch positions `drop`. Every entry is still drawn from
+    the loader's own sampler, so the epoch's random draws are those of the whole epoch, and a dropped batch is never
+    loaded. Other attributes (``sampler``, ``generator``) are the loader's own, so its generators are found."""
+
+    def __init__(self, inner: Any, drop: frozenset[int]) -> None:
+        self.inner, self.drop = inner, drop
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        drop = self.drop
+        return (entry for position, entry in enumerate(self.inner) if position not in drop)
+
+
+def drops_at_sampler(loader: Any) -> bool:
+    """Whether batches of `loader` can be left out at its sampler (`dropping`): a map-style DataLoader."""
+    return isinstance(loader, torch.utils.data.DataLoader) and not isinstance(
+        loader.dataset, torch.utils.data.IterableDataset
+    )
+
+
+@contextlib.contextmanager
+def dropping(loader: Any, drop: frozenset[int]) -> Iterator[None]:
+    """While inside, iterators made over `loader` leave out the batches at epoch positions `drop` (see `_Dropping`);
+    `loader` must `drops_at_sampler`. With nothing to drop, the loader is left alone."""
+    if not drop:
+        yield
+        return
+    attr = "batch_sampler" if getattr(loader, "batch_sampler", None) is not None else "sampler"
+    original = getattr(loader, attr)
+    object.__setattr__(loader, attr, _Dropping(original, drop))  # one epoch's iterator only, as `open_positioned`
+    try:
+        yield
+    finally:
+        object.__setattr__(loader, attr, original)
 
 
 class _SkippingSampler:

@@ -59,6 +59,20 @@ def handle_preemption(trainer: Trainer, module: TrainingModule, signum: int) -> 
     raise signals.Preempted(signum)
 
 
+def save_last(trainer: Trainer, module: TrainingModule, fallback_name: str) -> None:
+    """Write a resumable checkpoint of this boundary now and point ``last`` at it: `resumable_saver`'s, else
+    ``<run dir>/checkpoints/<fallback_name>``."""
+    manager, saver = trainer.checkpoints, resumable_saver(trainer)
+    if saver is not None:
+        saver.save_for_preemption(trainer)
+    else:
+        path = trainer.run_dir / ckpt.CHECKPOINT_SUBDIR / fallback_name
+        if not path.exists():
+            manager.request(path, False, False, True, None)
+    manager.flush(trainer, module)
+    manager.wait()
+
+
 def at_boundary(trainer: Trainer, module: TrainingModule) -> None:
     """A step or epoch boundary: write pending checkpoints; act on a preemption signal."""
     received = trainer.run_state.preemption.received  # the state, not the properties: this runs every step

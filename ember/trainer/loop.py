@@ -13,13 +13,16 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ember.checkpoint.data_position import open_rest_of_epoch, same_layout
+from ember.checkpoint.registry import restore_snapshot
 from ember.checkpoint.resume import (
     capture_epoch_start,
+    dropping,
+    drops_at_sampler,
     islice_from,
     open_positioned,
     open_resumed_epoch,
@@ -28,7 +31,7 @@ from ember.checkpoint.resume import (
     reuses_workers,
     warn_if_workers_miss_set_epoch,
 )
-from ember.trainer.boundary import at_boundary, save_stop_point
+from ember.trainer.boundary import at_boundary, save_last, save_stop_point
 from ember.trainer.data import (
     EpochPlan,
     batch_transfer,
@@ -51,6 +54,7 @@ from ember.trainer.optimization import (
     run_training_batch,
     step_schedulers,
 )
+from ember.trainer.rewind import Rewind, TooManyRewinds, kept_batches, positions_to_skip, samples_of, snapshot_position
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -82,6 +86,8 @@ class FitState:
     - ``sanity_checking``: whether the sanity-check validation runs.
     - ``window_has_grads``: whether the open accumulation window has gradients no optimizer step used yet.
     - ``resumed_finished``: whether the most recent fit resumed a run that had already finished (nothing to do).
+    - ``skipped``: the batch positions left out of training, by epoch (rewinds, ``trainer.rewind``): each epoch's
+      iterator leaves them out, also after a resume.
     """
 
     epoch: int = 0
@@ -93,6 +99,7 @@ class FitState:
     sanity_checking: bool = False
     window_has_grads: bool = False
     resumed_finished: bool = False
+    skipped: dict[int, frozenset[int]] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -100,11 +107,26 @@ class FitState:
             "global_step": self.global_step,
             "batch_idx": self.batch_idx,
             "validated_after": self.validated_after,
+            "skipped_batches": self.skipped_positions(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
         self.batch_idx, self.validated_after = int(state["batch_idx"]), int(state["validated_after"])
+        self.skipped = {}
+        self.skip_batches(state.get("skipped_batches", []))  # absent from checkpoints of older versions
+
+    def skipped_positions(self) -> list[list[int]]:
+        """The left-out batch positions as ``[[epoch, batch_idx], ...]``, in order."""
+        return [[epoch, b] for epoch in sorted(self.skipped) for b in sorted(self.skipped[epoch])]
+
+    def skip_batches(self, positions: Any) -> None:
+        """Leave the batches at these ``(epoch, batch_idx)`` positions out of training from now on."""
+        for epoch, batch_idx in positions:
+            self.skipped[int(epoch)] = self.skipped.get(int(epoch), frozenset()) | {int(batch_idx)}
+
+    def skipped_in(self, epoch: int) -> frozenset[int]:
+        return self.skipped.get(epoch, frozenset())
 
     def request_stop(self, value: bool) -> None:
         """``trainer.should_stop = value`` (the one field hooks set, through the trainer)."""
@@ -204,6 +226,9 @@ class FitLoop:
         self.sources: tuple[Any, Any, Any] = (train_loader, val_loaders, None)
         options = trainer.options
         self.min_epochs, self.min_steps = options.min_epochs or 0, options.min_steps or 0
+        #: A rewind asked for (``trainer.rewind``), applied at the next step boundary; whether one just was.
+        self.rewinding: Rewind | None = None
+        self.rewound = False
 
     @classmethod
     def build(cls, trainer: Trainer, module: TrainingModule, train: Any, val: Any, datamodule: Any) -> FitLoop:
@@ -315,12 +340,27 @@ class FitLoop:
             collector.start_epoch("train")
             progress.validated_after = -1
         hooks.on_train_epoch_start()
-        iterator = self.open_epoch(start)
+        drop = progress.skipped_in(progress.epoch)  # batches a rewind left out (ember/trainer/rewind.py)
+        iterator = self.open_epoch(start, drop)
         start = progress.batch_idx  # renumbered when the rest of an epoch is split across another world size
-        batches = islice_from(iterator, start, plan.num_batches)
+        if drop:
+            batches = kept_batches(iterator, start, plan.num_batches, drop, drops_at_sampler(self.train_loader))
+        else:
+            batches = islice_from(iterator, start, plan.num_batches)
         if trainer.profiler is not None:  # once per epoch: the batches' fetch times (ember/tuning/profiler.py)
             batches = trainer.profiler.time_batches(batches)
         self.run_batches(batches, validates)
+        if self.rewound:  # the fit went back to a snapshot: this epoch reopens there (`apply_rewind`)
+            self.rewound = False
+            return
+        if (
+            drop
+            and progress.batch_idx < plan.num_batches
+            and drop.issuperset(range(progress.batch_idx, int(plan.num_batches)))
+        ):
+            progress.batch_idx = int(plan.num_batches)  # the epoch's last batches were left out: it is done
+            if self.steps_epoch_schedulers_in_batches():
+                step_schedulers(self, "epoch", plateau=False)
         if progress.batch_idx == plan.num_batches == loader_length(self.train_loader):  # not cut by a limit
             finish_epoch(iterator, self.train_loader)
         if progress.window_has_grads:  # a loader without a length ended inside an accumulation window
@@ -400,7 +440,11 @@ class FitLoop:
         )
 
     def window_ended(self, batch_idx: int) -> bool:
-        """A step boundary after `batch_idx`: write pending checkpoints, act on preemption; whether to stop."""
+        """A step boundary after `batch_idx`: apply a rewind asked for, write pending checkpoints, act on preemption;
+        whether to leave the epoch's batch loop."""
+        if self.rewinding is not None:
+            self.apply_rewind()
+            return True
         at_boundary(self.trainer, self.module)
         if not self.should_stop_in_epoch():
             return False
@@ -413,9 +457,49 @@ class FitLoop:
         self.state.validated_after = batch_idx
         validate_in_fit(self.trainer, self.module, self.val_loaders, self.num_val_batches)
 
+    def request_rewind(self, rewind: Rewind) -> None:
+        """``trainer.rewind``: go back to `rewind`'s snapshot at the next step boundary (`apply_rewind`)."""
+        if not self.running:
+            raise RuntimeError("trainer.rewind() works while a fit trains: call it from a training hook")
+        self.rewinding = rewind
+
+    def apply_rewind(self) -> None:
+        """Go back to the snapshot of the rewind asked for: its training state restored, the batches it leaves out
+        added to the skip list, the epoch reopened at its data position as a resume reopens it
+        (ember/trainer/rewind.py).
+        A rewind that stops saves a resumable ``last`` of the snapshot's state and raises `TooManyRewinds`."""
+        rewind, self.rewinding = self.rewinding, None
+        assert rewind is not None
+        state, trainer, snapshot = self.state, self.trainer, rewind.snapshot
+        kept = state.skipped_positions()
+        restore_snapshot(trainer, self.module, snapshot)
+        state.skip_batches(kept)  # the snapshot's progress predates them
+        epoch, batch_idx, _ = snapshot_position(snapshot)
+        epoch_start = snapshot.rank_state.get("epoch_start")
+        if rewind.stop is None:
+            rewind.skipped = positions_to_skip(self.plan, epoch, batch_idx, rewind.steps, state.skipped_in)
+            state.skip_batches(rewind.skipped)
+            rewind.samples = samples_of(self.train_loader, epoch_start, epoch, rewind.skipped)
+        state.window_has_grads = False
+        self.resume_state = {**snapshot.rank_state, "saved_world_size": trainer.strategy.world_size}
+        self.epoch_start_state = epoch_start
+        self.rewound = True
+        if rewind.on_applied is not None:
+            rewind.on_applied(rewind)
+        if rewind.stop is not None:
+            save_last(trainer, self.module, f"rewind-stop-step={state.global_step}")
+            raise TooManyRewinds(rewind.stop)
+
     # --- the data of an epoch -------------------------------------------------------------------
-    def open_epoch(self, start: int) -> Iterator[Any]:
-        """The epoch's batch iterator; on resume, positioned after `start` batches with the step's RNG restored."""
+    def open_epoch(self, start: int, drop: frozenset[int] = frozenset()) -> Iterator[Any]:
+        """The epoch's batch iterator, without the batches at positions `drop` where the loader allows
+        (`resume.dropping`); on resume, positioned after `start` batches with the step's RNG restored."""
+        if not drop or not drops_at_sampler(self.train_loader):
+            return self._open_epoch(start, 0)
+        with dropping(self.train_loader, drop):
+            return self._open_epoch(start, sum(1 for b in drop if b < start))
+
+    def _open_epoch(self, start: int, dropped_before: int) -> Iterator[Any]:
         loader, trainer = self.train_loader, self.trainer
         resumed, self.resume_state = self.resume_state, None
         epoch = self.state.epoch
@@ -437,4 +521,4 @@ class FitLoop:
             iterator, first, validated = open_rest_of_epoch(self, resumed, start)
             self.state.batch_idx, self.state.validated_after = first, validated
             return iterator
-        return open_resumed_epoch(loader, start, self.epoch_start_state, resumed, epoch)
+        return open_resumed_epoch(loader, start - dropped_before, self.epoch_start_state, resumed, epoch)

@@ -16,7 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ember import stages
@@ -24,6 +24,7 @@ from ember.callbacks.callback import Callback
 from ember.callbacks.callback_list import CallbackList
 from ember.callbacks.model_checkpoint import ModelCheckpoint
 from ember.checkpoint.manager import CheckpointManager, info
+from ember.checkpoint.registry import TRAINING_ENTRIES, Snapshot, gather
 from ember.checkpoint.store import is_url, redact
 from ember.loggers.logger import Logger
 from ember.modules.datamodule import DataModule
@@ -45,6 +46,7 @@ from ember.trainer.evaluation import EvalProgress, evaluate
 from ember.trainer.loop import FitLoop, FitState, stop_point
 from ember.trainer.numerics import FiniteGuard
 from ember.trainer.reporting import Reporter
+from ember.trainer.rewind import Rewind
 from ember.trainer.run import RunState, running
 from ember.trainer.setup import record_hyperparameters, resolve_loggers
 
@@ -512,6 +514,34 @@ class Trainer:
         if not self.training:
             self.checkpoints.flush(self, module)
         return Path(path)
+
+    def snapshot(self, staging: dict[str, Tensor] | None = None) -> Snapshot:
+        """An in-memory copy, in host memory, of the training state an exact resume restores (model, optimizers,
+        schedulers, precision, progress, metrics, datamodule, random streams, data position), taken now: call it at
+        a step boundary (``on_train_batch_end`` of the batch that ended a step). `staging`: tensors of an earlier
+        snapshot to copy into (and to keep the new ones in), so a rolling snapshot allocates once. A `rewind` goes
+        back to it.
+        """
+        loop, module = self._fit_loop, self.run_state.module
+        if loop is None or not loop.running or module is None:
+            raise RuntimeError("trainer.snapshot() works while a fit trains: call it from a training hook")
+        return gather(self, module, weights_only=False, copy=True, staging=staging, on_cpu=True, only=TRAINING_ENTRIES)
+
+    def rewind(
+        self,
+        snapshot: Snapshot,
+        steps: int,
+        *,
+        stop: str | None = None,
+        on_applied: Callable[[Rewind], None] | None = None,
+    ) -> None:
+        """Go back to `snapshot` (from `snapshot()`) at the next step boundary, leaving out the batches of `steps`
+        optimizer steps from its position on (ember/trainer/rewind.py, docs/rewind.md). `on_applied(rewind)` runs
+        once it is done (``rewind.skipped``: the positions left out). With `stop`, the fit saves a resumable
+        ``last`` there instead and raises `ember.trainer.rewind.TooManyRewinds` with that message."""
+        if self._fit_loop is None:
+            raise RuntimeError("trainer.rewind() works while a fit trains: call it from a training hook")
+        self._fit_loop.request_rewind(Rewind(snapshot, steps, stop=stop, on_applied=on_applied))
 
     def release_run(self) -> None:
         """Drop what the most recent run holds on to: the module and its prepared (wrapped) model, the fit's

@@ -27,12 +27,20 @@ SHORT_RUNS = {
     "ddp_overhead.py": ["--short", "--nproc", "2"],
     "cold_start.py": ["--repeats", "1"],
     "store_checkpoint.py": ["--short"],  # starts moto's S3 server on 127.0.0.1
+    "rewind_overhead.py": ["--short"],
     # real_workloads.py --short: tests/integration/test_real_workloads.py (checks its figures as well)
 }
 
 
 #: Scripts whose --short mode times one repeat.
-ONE_REPEAT = {"overhead.py", "progress_overhead.py", "checkpoint.py", "import_time.py", "fit_fixed_cost.py"}
+ONE_REPEAT = {
+    "overhead.py",
+    "progress_overhead.py",
+    "checkpoint.py",
+    "import_time.py",
+    "fit_fixed_cost.py",
+    "rewind_overhead.py",
+}
 
 
 @pytest.mark.slow

@@ -1,0 +1,252 @@
+"""`SpikeGuard`: when the training loss spikes or goes non-finite, go back to a good state, leave out the
+offending batches, and go on, on the record (docs/rewind.md).
+
+The detector reads every training batch's loss, but never on the host per step: the losses (detached tensors)
+are kept in a list, and every ``check_every_n_steps`` optimizer steps (and at an epoch's last step) they are
+checked together, with one host sync. A check flags a batch whose loss is inf or NaN, or (after
+``warmup_steps`` checked steps) above ``factor`` times the median of the ``window`` losses checked before it.
+The check therefore lags the spike by at most ``check_every_n_steps - 1`` steps. Under data parallelism the
+losses are averaged over the processes before the check (the loss of the global batch), so every process
+reaches the same decision from the same numbers.
+
+The good state is a rolling in-memory snapshot (``trainer.snapshot``: model, optimizers, schedulers, precision
+scaler, progress, random streams and data position, copied to host memory into the same buffers each time, so
+one snapshot's worth of memory): taken at the start of the first epoch and then every ``snapshot_every_n_steps``
+steps, right after a check found those steps clean. On a spike the guard asks the trainer to rewind to it
+(``trainer.rewind``), leaving out the batches from the snapshot's position through the spike's step and
+``skip_after`` more steps; the trainer keeps that skip list in its checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ember.callbacks.callback import Callback
+
+if TYPE_CHECKING:
+    from ember.checkpoint.registry import Snapshot
+    from ember.modules.module import TrainingModule
+    from ember.trainer.rewind import Rewind
+    from ember.trainer.trainer import Trainer
+
+#: The run directory's record of every rewind, one JSON object per line.
+REWINDS_FILE = "rewinds.jsonl"
+
+
+class SpikeGuard(Callback):
+    """Rewinds training to its newest good snapshot when the loss spikes or is not finite (docs/rewind.md).
+
+    - ``factor``: a batch's loss above ``factor`` x the median of the last ``window`` checked losses is a spike.
+    - ``window``, ``warmup_steps``: losses the median is taken over; steps checked before spikes by ``factor`` count
+      (default: ``window``). A non-finite loss is a spike from the first step.
+    - ``check_every_n_steps``: how often the losses are read on the host (the detector's lag, in steps, is at most
+      one less than this).
+    - ``snapshot_every_n_steps``: how often the in-memory snapshot is renewed (a multiple of
+      ``check_every_n_steps``: a snapshot is taken right after a clean check).
+    - ``skip_after``: optimizer steps' worth of batches left out after the spike's own (PaLM left out 200-500
+      batches after going back about 100 steps). The batches from the snapshot to the spike are left out too.
+    - ``lr_scale``, ``lr_scale_steps``: after a rewind, multiply the learning rate of every parameter group by
+      ``lr_scale`` for ``lr_scale_steps`` steps (1.0: leave it).
+    - ``max_rewinds``, ``rewind_window_steps``: more than ``max_rewinds`` rewinds whose spikes lie within
+      ``rewind_window_steps`` steps stop the fit with `ember.trainer.rewind.TooManyRewinds`, after going back to
+      the snapshot and saving it as a resumable ``last``.
+
+    Each rewind is printed as one line, logged to the loggers (``rewind/count``, ``rewind/spike_step``,
+    ``rewind/restored_step``, ``rewind/skipped_batches``) and written to ``rewinds.jsonl`` in the run directory.
+    A mixed-precision scaler's own skipped steps (an inf gradient) are not spikes: only losses are read.
+    """
+
+    def __init__(
+        self,
+        factor: float = 4.0,
+        window: int = 64,
+        *,
+        warmup_steps: int | None = None,
+        check_every_n_steps: int = 8,
+        snapshot_every_n_steps: int = 64,
+        skip_after: int = 0,
+        lr_scale: float = 1.0,
+        lr_scale_steps: int = 0,
+        max_rewinds: int = 3,
+        rewind_window_steps: int = 1000,
+    ) -> None:
+        _check(factor > 1 and math.isfinite(factor), f"factor={factor!r}: use a finite number above 1, e.g. 4.0")
+        for name, value in (("window", window), ("check_every_n_steps", check_every_n_steps)):
+            _check(isinstance(value, int) and value >= 1, f"{name}={value!r}: use a whole number >= 1")
+        _check(
+            isinstance(snapshot_every_n_steps, int)
+            and snapshot_every_n_steps >= 1
+            and snapshot_every_n_steps % check_every_n_steps == 0,
+            f"snapshot_every_n_steps={snapshot_every_n_steps!r}: use a multiple of check_every_n_steps "
+            f"({check_every_n_steps}); a snapshot is taken right after a clean check",
+        )
+        for name, value in (
+            ("skip_after", skip_after),
+            ("lr_scale_steps", lr_scale_steps),
+            ("max_rewinds", max_rewinds),
+            ("rewind_window_steps", rewind_window_steps),
+        ):
+            _check(isinstance(value, int) and value >= 0, f"{name}={value!r}: use a whole number >= 0")
+        _check(lr_scale > 0 and math.isfinite(lr_scale), f"lr_scale={lr_scale!r}: use a positive number, e.g. 0.5")
+        self.factor, self.window = float(factor), window
+        self.warmup_steps = window if warmup_steps is None else warmup_steps
+        self.check_every_n_steps, self.snapshot_every_n_steps = check_every_n_steps, snapshot_every_n_steps
+        self.skip_after, self.lr_scale, self.lr_scale_steps = skip_after, float(lr_scale), lr_scale_steps
+        self.max_rewinds, self.rewind_window_steps = max_rewinds, rewind_window_steps
+        #: Every rewind so far (what ``rewinds.jsonl`` holds); checkpointed.
+        self.rewinds: list[dict[str, Any]] = []
+        self._losses: list[Tensor] = []  # unchecked losses, one per batch
+        self._steps: list[int] = []  # the optimizer step each of them fed (1-based)
+        self._history: list[float] = []  # the last `window` checked losses
+        self._checked = 0  # steps checked since the fit started
+        self._snapshot: Snapshot | None = None
+        self._snapshot_step = 0  # the global step it holds
+        self._staging: dict[str, Tensor] = {}
+        self._lr_until = -1  # the step at which a learning-rate scale ends (-1: none in force)
+
+    # --- hooks -----------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
+        """A new fit starts with nothing kept (a resumed one gets its record back from the checkpoint)."""
+        if stage == "fit":
+            self.rewinds, self._losses, self._steps, self._history, self._checked = [], [], [], [], 0
+            self._snapshot, self._snapshot_step, self._lr_until = None, 0, -1
+
+    def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        """The first snapshot: the fit's start (a resumed fit takes its first after its first clean check)."""
+        if self._snapshot is None and trainer.progress.batch_idx == 0 and trainer.global_step == 0:
+            self._take_snapshot(trainer)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Keep this batch's loss; at every ``check_every_n_steps``-th step boundary, check the losses kept."""
+        loss = outputs.get("loss") if isinstance(outputs, dict) else None
+        step = trainer.progress.global_step
+        if loss is not None:
+            self._losses.append(loss)
+            self._steps.append(step + 1 if trainer.progress.window_has_grads else step)
+        if not self._steps or self._steps[-1] != step:
+            return  # no step ended here
+        if step % self.check_every_n_steps and not trainer.epoch_plan.is_last(batch_idx):
+            return  # not a checking step (the epoch's last step is one: a fit may end with it)
+        if step == self._lr_until:
+            self._scale_lr(trainer, 1 / self.lr_scale)
+            self._lr_until = -1
+        spike = self._check(trainer)
+        if spike is None:
+            if step % self.snapshot_every_n_steps == 0:
+                self._take_snapshot(trainer)
+            return
+        self._rewind(trainer, step, *spike)
+
+    def _take_snapshot(self, trainer: Trainer) -> None:
+        self._snapshot, self._snapshot_step = trainer.snapshot(self._staging), trainer.global_step
+
+    # --- detection -------------------------------------------------------------------------------
+    def _check(self, trainer: Trainer) -> tuple[int, float, float] | None:
+        """The first kept loss that is a spike: (its step, its value, the median it was compared with); None if
+        none is. One host sync (and one all-reduce with several processes)."""
+        losses, steps = torch.stack(self._losses), self._steps
+        self._losses, self._steps = [], []
+        if trainer.world_size > 1:
+            losses = trainer.strategy.reduce(losses.float(), "mean")
+        values: list[float] = losses.tolist()  # the check's one host sync
+        history = self._history
+        median = statistics.median(history) if history and self._checked >= self.warmup_steps else math.nan
+        limit = self.factor * median
+        for value, step in zip(values, steps, strict=True):
+            if not math.isfinite(value) or value > limit:  # `> nan` is False: no median yet
+                return step, value, median
+        self._checked += len(set(steps))
+        self._history = (history + values)[-self.window :]
+        return None
+
+    # --- rewinding -------------------------------------------------------------------------------
+    def _rewind(self, trainer: Trainer, step: int, spike_step: int, value: float, median: float) -> None:
+        if self._snapshot is None:
+            raise RuntimeError(
+                f"SpikeGuard: the loss spiked at step {spike_step} ({value:.4g}) before any snapshot was taken; "
+                "resume from a checkpoint that predates it, or lower the learning rate"
+            )
+        restored_step = self._snapshot_step
+        recent = [r for r in self.rewinds if r["spike_step"] > spike_step - self.rewind_window_steps]
+        stop = None
+        if len(recent) >= self.max_rewinds:
+            stop = (
+                f"SpikeGuard: the loss spiked {len(recent) + 1} times within {self.rewind_window_steps} steps (steps "
+                f"{', '.join(str(r['spike_step']) for r in recent)}, {spike_step}); max_rewinds={self.max_rewinds}. "
+                f"The fit went back to step {restored_step} and saved it as 'last': check the data and the learning "
+                "rate, then resume with ckpt_path='last'"
+            )
+        record = {
+            "step": step,
+            "spike_step": spike_step,
+            "value": value if math.isfinite(value) else str(value),
+            "median": median if math.isfinite(median) else None,
+            "reason": "non-finite" if not math.isfinite(value) else f"above {self.factor:g} x median",
+            "restored_step": restored_step,
+        }
+        steps = spike_step - restored_step + self.skip_after
+
+        def applied(rewind: Rewind) -> None:
+            self._record(trainer, rewind, record)
+
+        trainer.rewind(self._snapshot, steps, stop=stop, on_applied=applied)
+
+    def _record(self, trainer: Trainer, rewind: Rewind, record: dict[str, Any]) -> None:
+        """Write down a rewind the trainer applied: the record, the loggers, one line on screen."""
+        record["skipped_batches"] = [list(position) for position in rewind.skipped]
+        record["skipped_samples"] = [s for samples in rewind.samples if samples is not None for s in samples]
+        record["stopped"] = rewind.stop is not None
+        self.rewinds.append(record)
+        self._losses, self._steps = [], []
+        restored = record["restored_step"]
+        if self.lr_scale != 1.0 and self.lr_scale_steps and rewind.stop is None:
+            if self._lr_until >= 0:
+                self._scale_lr(trainer, 1 / self.lr_scale)  # the scale of an earlier rewind, restored with it
+            self._scale_lr(trainer, self.lr_scale)
+            self._lr_until = restored + self.lr_scale_steps
+        if not trainer.is_global_zero:
+            return
+        with open(trainer.run_dir / REWINDS_FILE, "a", encoding="utf-8") as file:
+            file.write(json.dumps(record) + "\n")
+        metrics = {
+            "rewind/count": float(len(self.rewinds)),
+            "rewind/spike_step": float(record["spike_step"]),
+            "rewind/restored_step": float(restored),
+            "rewind/skipped_batches": float(len(rewind.skipped)),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, record["step"])
+        print(
+            f"ember: loss spike at step {record['spike_step']} ({record['reason']}, {record['value']}): rewound to "
+            f"step {restored}, left out {len(rewind.skipped)} batches (rewind {len(self.rewinds)})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    @staticmethod
+    def _scale_lr(trainer: Trainer, scale: float) -> None:
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * scale
+
+    # --- state -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"rewinds": [dict(r) for r in self.rewinds], "lr_until": self._lr_until}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.rewinds = [dict(r) for r in state_dict.get("rewinds", [])]
+        self._lr_until = int(state_dict.get("lr_until", -1))
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"SpikeGuard: {message}")
