@@ -92,14 +92,28 @@ class GlobalState:
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (`--dist loadgroup`, pyproject.toml)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Which tests one xdist worker runs one after the other:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `perf` (wall-clock ratios) run only when ``-m`` names them (``-m perf``): any other run,
+    ``-m "not slow and not distributed"`` included, leaves them out.
+
+    Which tests one xdist worker runs one after the other:
 
     - every test marked `distributed` (group ``distributed``): two multi-process jobs never share the 2 CPUs
       (their collectives have timeouts);
     - the tests of a module that share a module-scoped fixture (a trained run, a built site, a clone; group: the
       module's file), so that the fixture is built once, not once per worker.
+
+    Then the files holding tests marked `distributed`, then those holding other `slow` tests, move to the front
+    (a stable sort of whole files: the random order stays within each kind, and a file's tests stay together so
+    that its module fixtures are built once), so that no worker starts a long test when the others are about to
+    finish. pytest-xdist hands out the largest groups first (``--loadscope-reorder``, its default), then single
+    tests in this order.
     """
+    if "perf" not in (config.getoption("markexpr") or ""):
+        perf = [item for item in items if item.get_closest_marker("perf") is not None]
+        if perf:
+            config.hook.pytest_deselected(items=perf)
+            items[:] = [item for item in items if item.get_closest_marker("perf") is None]
     for item in items:
         if item.get_closest_marker("xdist_group") is not None:
             continue
@@ -107,6 +121,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("distributed"))
         elif _uses_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    file_rank: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        file_rank[path] = min(file_rank.get(path, 2), _start_rank(item))
+    items.sort(key=lambda item: file_rank[item.nodeid.split("::")[0]])
+
+
+def _start_rank(item: pytest.Item) -> int:
+    """0 for a multi-process test, 1 for another slow one, 2 for the rest."""
+    if item.get_closest_marker("distributed") is not None:
+        return 0
+    return 1 if item.get_closest_marker("slow") is not None else 2
 
 
 def _uses_a_module_fixture(item: pytest.Item) -> bool:
