@@ -27,6 +27,9 @@ CONFIGS = REPO / "configs"
 SHORT = ["trainer.max_steps=2", "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0", "trainer.logger=false"]
 FINETUNE_KEY = "BackboneFinetuning[backbone=backbone]"
 
+#: Eight ``ember`` processes (each imports torch, torchmetrics and the data libraries): about a minute of CPU.
+pytestmark = pytest.mark.slow
+
 
 @dataclass
 class Run:
