@@ -11,11 +11,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+# One intra-op thread for each test process and every process it starts (a value set by the caller is kept).
+# The suite runs 2 xdist workers on 2 cores: with torch's default of one thread per core, each worker's OpenMP
+# threads spin waiting for the CPU the other worker holds, and the same small fit (lr_find's 100 steps on the
+# digits MLP) took 2.8 times the CPU. Set before torch is imported, and once more below in case a plugin
+# imported it first.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("WANDB_MODE", "offline")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # The hypothesis profile of every generated test, whichever tests a run collects. ``EMBER_HYPOTHESIS_PROFILE``:
 # ``ci`` (the default: fixed examples, so every run draws the same) or ``thorough`` (20 times as many for the
@@ -92,14 +100,28 @@ class GlobalState:
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (`--dist loadgroup`, pyproject.toml)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Which tests one xdist worker runs one after the other:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `perf` (wall-clock ratios) run only when ``-m`` names them (``-m perf``): any other run,
+    ``-m "not slow and not distributed"`` included, leaves them out.
+
+    Which tests one xdist worker runs one after the other:
 
     - every test marked `distributed` (group ``distributed``): two multi-process jobs never share the 2 CPUs
       (their collectives have timeouts);
     - the tests of a module that share a module-scoped fixture (a trained run, a built site, a clone; group: the
       module's file), so that the fixture is built once, not once per worker.
+
+    Then the files holding tests marked `distributed`, then those holding other `slow` tests, move to the front
+    (a stable sort of whole files: the random order stays within each kind, and a file's tests stay together so
+    that its module fixtures are built once), so that no worker starts a long test when the others are about to
+    finish. pytest-xdist hands out the largest groups first (``--loadscope-reorder``, its default), then single
+    tests in this order.
     """
+    if "perf" not in (config.getoption("markexpr") or ""):
+        perf = [item for item in items if item.get_closest_marker("perf") is not None]
+        if perf:
+            config.hook.pytest_deselected(items=perf)
+            items[:] = [item for item in items if item.get_closest_marker("perf") is None]
     for item in items:
         if item.get_closest_marker("xdist_group") is not None:
             continue
@@ -107,6 +129,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("distributed"))
         elif _uses_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    file_rank: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        file_rank[path] = min(file_rank.get(path, 2), _start_rank(item))
+    items.sort(key=lambda item: file_rank[item.nodeid.split("::")[0]])
+
+
+def _start_rank(item: pytest.Item) -> int:
+    """0 for a multi-process test, 1 for another slow one, 2 for the rest."""
+    if item.get_closest_marker("distributed") is not None:
+        return 0
+    return 1 if item.get_closest_marker("slow") is not None else 2
 
 
 def _uses_a_module_fixture(item: pytest.Item) -> bool:

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 
 @given(cfg=parity_configs())
 @settings(max_examples=examples(8))
+@pytest.mark.slow  # 5 s of CPU on a 2-core machine, with the processes it starts
 def test_fit_equals_the_raw_loop_bitwise(cfg: Config, tmp_path_factory: pytest.TempPathFactory) -> None:
     record("parity", cfg)
     check_parity(cfg, tmp_path_factory.mktemp("parity"))

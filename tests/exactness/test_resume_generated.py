@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 @given(cfg=resume_configs(), data=st.data())
 @settings(max_examples=examples(3))
+@pytest.mark.slow  # 4 s of CPU on a 2-core machine, with the processes it starts
 def test_a_run_resumed_in_a_new_process_equals_the_uninterrupted_run(
     cfg: Config, data: st.DataObject, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

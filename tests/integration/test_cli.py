@@ -131,6 +131,7 @@ def test_fit_digits_with_overrides_saves_config_and_metrics_and_the_saved_config
     assert [(r["val/loss"], r["val/acc"]) for r in again] == [(r["val/loss"], r["val/acc"]) for r in rows]
 
 
+@pytest.mark.slow  # 4 s of CPU on a 2-core machine, with the processes it starts
 def test_print_config_output_parses_back_to_the_same_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -159,6 +160,7 @@ def fitted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     return config, root / "work", out
 
 
+@pytest.mark.slow  # a fit through the ember command in a fresh process (module fixture `fitted`)
 def test_user_module_next_to_the_config_trains_with_the_yaml_optimizer(fitted: tuple[Path, Path, str]) -> None:
     _, cwd, out = fitted
     run_dir = cwd / "runs" / "net" / "version_0"
@@ -170,6 +172,7 @@ def test_user_module_next_to_the_config_trains_with_the_yaml_optimizer(fitted: t
     assert saved["optimizer"] == {"_target_": "torch.optim.SGD", "lr": 0.5}
 
 
+@pytest.mark.slow  # a fit through the ember command in a fresh process (module fixture `fitted`)
 def test_test_and_predict_from_the_best_checkpoint(fitted: tuple[Path, Path, str], tmp_path: Path) -> None:
     config, cwd, _ = fitted
     best = max(val_rows(cwd / "runs" / "net" / "version_0"), key=lambda r: float(r["val/acc"]))
@@ -419,6 +422,7 @@ def test_bad_config_table_has_at_least_12_rows() -> None:
     assert len(BAD) >= 12 and len({row[0] for row in BAD}) == len(BAD)
 
 
+@pytest.mark.slow  # 4 s of CPU on a 2-core machine, with the processes it starts
 def test_real_process_exit_code_2_without_traceback_and_debug_shows_it(tmp_path: Path) -> None:
     config = make_project(tmp_path / "project")
     base = ember_command("fit", "-c", config, "module.hiden=8", cwd=tmp_path)

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
@@ -49,6 +51,7 @@ print(json.dumps({"at_first_batch": seen, "omegaconf_at_end": "omegaconf" in sys
 """
 
 
+@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
 def test_the_first_batch_waits_for_no_logger_import(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run(

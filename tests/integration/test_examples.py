@@ -1,19 +1,25 @@
 """Every example runs from its YAML config through the ``ember`` command for a couple of steps.
 
-The runs are real processes (``ember fit -c configs/<example>.yaml`` plus overrides that shorten
-them); independent ones run side by side, in two waves (the second needs the first's outputs: a
-checkpoint to predict from, a pretrained backbone to fine-tune). The tests then check what each run
-left on disk. The outcomes of longer runs are in tests/integration/test_examples_outcomes.py.
+The runs go through `ember.cli.main` in this process (the command's code, from argument parsing to the
+printed summary, without an interpreter start for each: eight processes spent most of this module's minute
+of CPU importing torch, torchmetrics and the data libraries again; tests/integration/test_cli.py runs the
+command as real processes). They run one after the other, each in the same working directory (the later
+ones need the earlier ones' outputs: a checkpoint to predict from, a pretrained backbone to fine-tune), and
+leave the process's environment, random streams and torch settings as found. The tests then check what each
+run printed and left on disk. The outcomes of longer runs are in tests/integration/test_examples_outcomes.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import math
 import os
+import random
 import re
-import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,38 +27,67 @@ import pytest
 import torch
 
 from ember import checkpoint as ckpt
+from ember.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 SHORT = ["trainer.max_steps=2", "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0", "trainer.logger=false"]
 FINETUNE_KEY = "BackboneFinetuning[backbone=backbone]"
 
+#: Eight runs of a few steps: about 12 s of CPU (57 s as eight processes).
+pytestmark = pytest.mark.slow
+
 
 @dataclass
 class Run:
     args: list[str]
-    process: subprocess.Popen[str] | None = None
     stdout: str = ""
     stderr: str = ""
 
 
-def _start(args: list[str], cwd: Path) -> Run:
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "ember", *args]
-    process = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return Run(args, process)
+@contextlib.contextmanager
+def _as_found() -> Iterator[None]:
+    """Puts back what a run changes for the whole process: the environment (``EMBER_SEED``...), the random
+    streams, the thread count and the default dtype (this module fixture runs outside the per-test restore of
+    tests/conftest.py)."""
+    environ, python, threads, dtype = (
+        dict(os.environ),
+        random.getstate(),
+        torch.get_num_threads(),
+        torch.get_default_dtype(),
+    )
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+            random.setstate(python)
+            if numpy is not None:
+                numpy.random.set_state(numpy_state)
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            torch.set_default_dtype(dtype)
 
 
-def _finish(run: Run) -> Run:
-    assert run.process is not None
-    run.stdout, run.stderr = run.process.communicate(timeout=180)
-    assert run.process.returncode == 0, f"ember {' '.join(run.args)} -> {run.process.returncode}\n{run.stderr}"
+def _ember(args: list[str], cwd: Path) -> Run:
+    """``ember ARGS`` in `cwd`, through `ember.cli.main`; fails with its output unless it exits 0."""
+    out, err, before = io.StringIO(), io.StringIO(), Path.cwd()
+    with _as_found(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        os.chdir(cwd)
+        try:
+            code = main(args)
+        finally:
+            os.chdir(before)
+    run = Run(args, out.getvalue(), err.getvalue())
+    assert code == 0, f"ember {' '.join(args)} -> {code}\n{run.stdout}\n{run.stderr}"
     return run
 
 
 def _wave(cwd: Path, commands: dict[str, list[str]]) -> dict[str, Run]:
-    started = {name: _start(args, cwd) for name, args in commands.items()}
-    return {name: _finish(run) for name, run in started.items()}
+    return {name: _ember(args, cwd) for name, args in commands.items()}
 
 
 @pytest.fixture(scope="module")

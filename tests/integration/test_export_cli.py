@@ -61,6 +61,7 @@ def digits_images(batch: int) -> torch.Tensor:
     return images
 
 
+@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
 def test_export_last_to_onnx_matches_the_checkpoint(
     run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

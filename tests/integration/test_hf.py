@@ -284,6 +284,7 @@ def test_classifier_mistakes_say_what_to_do(tmp_path: Path) -> None:
         hf_classify.labelled_lines(["no_such_module_here"])
 
 
+@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
 def test_the_seed_sweep_prints_both_runs_per_seed_and_their_means(
     trained: tuple[Path, hf_lm.GPT2LM, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -106,6 +106,7 @@ def trainer(root: Path, **kw: Any) -> ember.Trainer:
     )
 
 
+@pytest.mark.slow  # 2 s of CPU on a 2-core machine, with the processes it starts
 def test_offline_fit_history_and_config_equal_what_was_logged(tmp_path: Path) -> None:
     fitted = trainer(tmp_path / "runs", enable_checkpointing=False)
     fitted.fit(Regressor(), *loaders())

@@ -140,6 +140,7 @@ def normalise(table: str) -> str:
     return re.sub(r"\b\d\.\d{4}\b", "N.NNNN", table)
 
 
+@pytest.mark.slow  # 2 s of CPU on a 2-core machine, with the processes it starts
 def test_table_of_every_kind_of_run(runs: Path, capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
     assert cli("runs", str(runs / "runs")) == 0

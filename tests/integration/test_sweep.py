@@ -195,6 +195,7 @@ def test_sigkill_mid_trial_then_the_same_command_finishes_without_counting_twice
     assert (again.complete + again.pruned, len(load(directory).trials)) == (n, len(trials))
 
 
+@pytest.mark.slow  # 11 s of CPU on a 2-core machine, with the processes it starts
 def test_the_median_pruner_stops_a_clearly_worse_trial(files: tuple[Path, Path], tmp_path: Path, capsys: Any) -> None:
     """One worker runs two trials one after the other: a learning rate that learns first (it completes and sets
     the median), then one that learns nothing, which the median pruner stops at its first validation. The

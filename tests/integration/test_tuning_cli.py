@@ -27,6 +27,7 @@ def repo_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "path", [str(REPO), *sys.path])
 
 
+@pytest.mark.slow  # 10 s of CPU on a 2-core machine, with the processes it starts
 def test_tune_lr_prints_the_suggestion_and_writes_its_run(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="offline")
     cmd = [sys.executable, "-m", "ember", "tune", "lr", "-c", str(DIGITS), "--num-steps", "40", *QUIET]
@@ -49,6 +50,7 @@ def test_tune_lr_prints_the_suggestion_and_writes_its_run(tmp_path: Path) -> Non
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow  # 8 s of CPU on a 2-core machine, with the processes it starts
 def test_tune_batch_size_prints_the_override(
     tmp_path: Path, repo_on_path: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -63,6 +65,7 @@ def test_tune_batch_size_prints_the_override(
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*.ckpt"))
 
 
+@pytest.mark.slow  # 14 s of CPU on a 2-core machine, with the processes it starts
 def test_tune_batch_size_prints_nothing_of_the_profilers_own(tmp_path: Path) -> None:
     """Each trial starts and stops torch's profiler; its library (kineto) printed a ``USDT: ... profiler_start``
     line to stderr at each (34 lines for the digits example). A fresh process: kineto reads its log level once."""

@@ -117,6 +117,7 @@ def test_the_data_gives_three_validations_per_epoch() -> None:
     assert n >= 10  # then n % (n // 2 - 1) is 2 or 3: validations after 2 intervals and at the end
 
 
+@pytest.mark.slow  # 8 s of CPU on a 2-core machine, with the processes it starts
 def test_ember_port_is_bitwise_equal_to_the_script() -> None:
     data = small_data()
     expected, expected_losses = script(data, epochs=2)
@@ -128,6 +129,7 @@ def test_ember_port_is_bitwise_equal_to_the_script() -> None:
         assert abs(got - want) <= float(np.spacing(np.float32(want))) / 2
 
 
+@pytest.mark.slow  # 2 s of CPU on a 2-core machine, with the processes it starts
 def test_without_its_own_generator_the_training_loader_changes_dropout() -> None:
     # What docs/trainer.md warns about: iter(DataLoader) draws a seed from the global RNG dropout uses.
     data = small_data()
@@ -138,6 +140,7 @@ def test_without_its_own_generator_the_training_loader_changes_dropout() -> None
     assert not all(torch.equal(a, b) for a, b in zip(module.parameters(), expected.parameters(), strict=True))
 
 
+@pytest.mark.slow  # 8 s of CPU on a 2-core machine, with the processes it starts
 def test_resuming_inside_an_epoch_restores_the_hidden_state(tmp_path: Path) -> None:
     data = small_data()
 

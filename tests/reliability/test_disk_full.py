@@ -88,6 +88,7 @@ def data() -> DataLoader:
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
 def test_one_process_fills_the_disk_and_ends_with_a_clean_error(small_disk: Path, async_save: bool) -> None:
     folder = small_disk / "ckpts"
     saver = ember.callbacks.ModelCheckpoint(folder, save_top_k=-1, async_save=async_save)

@@ -124,6 +124,7 @@ def _assert_loads(project: Path) -> None:
         ),
     ],
 )
+@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
 def test_expected_errors_are_one_line_and_a_documented_exit_code(
     project: Path, case: str, code: int, line: str
 ) -> None:

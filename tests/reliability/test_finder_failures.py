@@ -73,6 +73,7 @@ def test_lr_find_on_a_lazy_module_restores_its_initial_values(tmp_path: Path) ->
     assert trainer.global_step == len(loader)
 
 
+@pytest.mark.slow  # 2 s of CPU on a 2-core machine, with the processes it starts
 def test_scale_batch_size_on_a_lazy_module_restores_its_initial_values(tmp_path: Path) -> None:
     torch.manual_seed(0)
     module = LazyNet()

@@ -44,6 +44,7 @@ def headings(html: str) -> set[str]:
     return {re.sub(r"<[^>]+>|&para;|\s+", " ", h).split()[0] for h in found}
 
 
+@pytest.mark.slow  # 6 s of CPU on a 2-core machine, with the processes it starts
 def test_every_public_name_is_in_the_api_reference(site: Path) -> None:
     packages = site_pages.existing_packages()
     assert {"ember", "ember.callbacks", "ember.loggers", "ember.strategies", "ember.export"} <= set(packages)
@@ -74,6 +75,7 @@ def test_every_public_name_is_in_the_api_reference(site: Path) -> None:
         assert f'href="{package}/"' in index
 
 
+@pytest.mark.slow  # builds the site with the test above (module fixture)
 def test_readme_and_examples_readme_are_site_pages_with_working_links(site: Path) -> None:
     home = (site / "index.html").read_text(encoding="utf-8")
     assert 'href="module/"' in home and 'href="examples/"' in home  # docs/module.md, examples/README.md
@@ -134,8 +136,10 @@ def test_ci_builds_the_site_strictly_after_installing() -> None:
 def test_ci_runs_the_readmes_test_command() -> None:
     """The checks after the README's install line are CI's last line, in the same order."""
     readme = (REPO / "README.md").read_text().splitlines()
-    install = readme[readme.index("# install and pass the tests (lint, formatting, types, the whole suite)") + 1]
+    comment = next(i for i, line in enumerate(readme) if line.startswith("# install and pass the tests (lint, "))
+    install = readme[comment + 1]
     ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line.strip()][-1]
     readme_checks = [step.strip() for step in install.split(" && ") if not step.strip().startswith("pip install")]
     ci_checks = [step.strip().replace("python3 ", "python ") for step in ci.split(" && ")]
-    assert readme_checks == ci_checks == ["ruff check .", "ruff format --check .", "mypy", "python -m pytest"]
+    stages = ['python -m pytest -m "not slow and not distributed"', 'python -m pytest -m "slow or distributed"']
+    assert readme_checks == ci_checks == ["ruff check .", "ruff format --check .", "mypy", *stages]

@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "migrating-from-lightning.md"
 
 
@@ -17,6 +19,7 @@ def port_source(side: str) -> str:
     return match.group(1)
 
 
+@pytest.mark.slow  # 4 s of CPU on a 2-core machine, with the processes it starts
 def test_the_ember_side_of_the_port_runs_and_trains() -> None:
     namespace: dict[str, Any] = {"__name__": "port"}
     exec(compile(port_source("ember"), str(GUIDE), "exec"), namespace)

@@ -186,6 +186,7 @@ def test_log_checkpoints_copies_the_best_checkpoint_into_the_artifacts(tmp_path:
     assert {f"checkpoints/{best.name}/{p.name}" for p in best.iterdir()} == listed
 
 
+@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
 def test_a_resumed_fit_continues_the_same_mlflow_run(tmp_path: Path) -> None:
     # Uninterrupted reference: 4 epochs in its own root.
     reference = MLflowLogger()

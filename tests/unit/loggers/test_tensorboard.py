@@ -309,6 +309,7 @@ def test_experiment_taken_mid_run_writes_into_the_loggers_file(tmp_path: Path) -
     assert scalars(acc, "custom") == [(2, 5.0)]
 
 
+@pytest.mark.slow  # 4 s of CPU on a 2-core machine, with the processes it starts
 def test_a_fit_with_the_default_loggers_does_not_import_tensorboards_writer(tmp_path: Path) -> None:
     code = """
 import sys, torch

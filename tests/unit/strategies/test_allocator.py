@@ -92,6 +92,7 @@ def run_child(fits: list[dict[str, Any]], env: dict[str, str] | None = None) -> 
 
 
 @requires_glibc
+@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
 def test_applied_when_a_run_starts_and_glibc_keeps_freed_blocks() -> None:
     tuned = run_child([{}])
     assert tuned["applied"], tuned
@@ -100,6 +101,7 @@ def test_applied_when_a_run_starts_and_glibc_keeps_freed_blocks() -> None:
 
 
 @requires_glibc
+@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
 def test_opted_out_by_the_trainer_keyword() -> None:
     result = run_child([{"tune_cpu_allocator": False}])
     assert not result["applied"] and "tune_cpu_allocator=False" in result["reason"]
@@ -108,6 +110,7 @@ def test_opted_out_by_the_trainer_keyword() -> None:
 
 
 @requires_glibc
+@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
 def test_opted_out_by_the_environment_variable() -> None:
     result = run_child([{}], env={allocator.ENV_VAR: "0"})
     assert not result["applied"] and "EMBER_TUNE_CPU_ALLOCATOR=0" in result["reason"]
@@ -115,6 +118,7 @@ def test_opted_out_by_the_environment_variable() -> None:
 
 
 @requires_glibc
+@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
 def test_a_later_run_that_allows_it_applies_it_once() -> None:
     result = run_child([{"tune_cpu_allocator": False}, {}, {"tune_cpu_allocator": False}])
     assert result["applied"], result  # applied by the second fit; the third cannot undo it
@@ -122,6 +126,7 @@ def test_a_later_run_that_allows_it_applies_it_once() -> None:
 
 
 @requires_glibc
+@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
 def test_malloc_options_the_user_set_are_left_alone() -> None:
     result = run_child([{}], env={"MALLOC_ARENA_MAX": "2"})
     assert not result["applied"] and "MALLOC_ARENA_MAX" in result["reason"], result
@@ -130,6 +135,7 @@ def test_malloc_options_the_user_set_are_left_alone() -> None:
 
 @requires_glibc
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build a malloc replacement to preload")
+@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
 def test_not_applied_when_another_allocator_provides_malloc(tmp_path: Path) -> None:
     # A stand-in for a preloaded jemalloc/tcmalloc: a library whose malloc replaces glibc's for the process.
     source = tmp_path / "replacement.c"

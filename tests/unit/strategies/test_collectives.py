@@ -79,6 +79,7 @@ def test_an_exit_that_times_out_keeps_the_holders_for_the_rest_of_the_process() 
     assert tensor._use_count() == 2
 
 
+@pytest.mark.slow  # 2 s of CPU on a 2-core machine, with the processes it starts
 def test_keep_loses_no_tensor_when_two_threads_call_it_at_once() -> None:
     """An async checkpoint write keeps its tensors from the writer thread while the loop keeps its own."""
     workers: list[torch.Tensor] = []

@@ -142,6 +142,7 @@ def test_the_tp_config_builds_its_strategy() -> None:
     assert hook_takes_mesh(module) is True
 
 
+@pytest.mark.slow  # 4 s of CPU on a 2-core machine, with the processes it starts
 def test_a_bad_size_in_the_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
     path = ROOT / "configs" / "char_transformer_tp.yaml"
     done = subprocess.run(

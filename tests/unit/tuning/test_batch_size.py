@@ -93,6 +93,7 @@ class _Wasteful(ember.TrainingModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+@pytest.mark.slow  # 10 s of CPU on a 2-core machine, with the processes it starts
 def test_the_answer_is_the_largest_size_under_the_budget_by_measured_peaks(tiny: Any, tmp_path: Path) -> None:
     _, Blobs, make = tiny
     budget = 1_500_000
@@ -129,6 +130,7 @@ def test_the_answer_is_the_largest_size_under_the_budget_by_measured_peaks(tiny:
         assert torch.equal(value, weights[key]), key
 
 
+@pytest.mark.slow  # 5 s of CPU on a 2-core machine, with the processes it starts
 def test_max_size_and_the_data_set_cap_the_search(tiny: Any, tmp_path: Path) -> None:
     Net, Blobs, make = tiny
     capped = scale_batch_size(make(default_root_dir=tmp_path), Net(), datamodule=Blobs(), max_size=24, verbose=False)
@@ -141,6 +143,7 @@ def test_max_size_and_the_data_set_cap_the_search(tiny: Any, tmp_path: Path) -> 
     assert [t.batch_size for t in whole.trials] == [16, 32, 40] and whole.limited_by == "data set size"
 
 
+@pytest.mark.slow  # 2 s of CPU on a 2-core machine, with the processes it starts
 def test_a_plain_dataloader_is_rebuilt_per_size(tiny: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     Net, Blobs, make = tiny
     loader = Blobs().train_dataloader()

@@ -205,6 +205,7 @@ def test_everything_is_bitwise_as_before_after_a_fit(tiny: Any, tmp_path: Path) 
     assert module._trainer is trainer
 
 
+@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
 def test_a_fit_after_the_finder_is_the_fit_without_it(tiny: Any, tmp_path: Path) -> None:
     """The differential check of "nothing changed": the same fit, bitwise, with and without lr_find first."""
     Net, Blobs, make = tiny
@@ -222,6 +223,7 @@ def test_a_fit_after_the_finder_is_the_fit_without_it(tiny: Any, tmp_path: Path)
         assert torch.equal(plain[key], after[key]), key
 
 
+@pytest.mark.slow  # 2 s of CPU on a 2-core machine, with the processes it starts
 def test_dataloaders_passed_directly_get_their_generators_back(tiny: Any, tmp_path: Path) -> None:
     Net, Blobs, make = tiny
     loader = Blobs().train_dataloader()
@@ -230,6 +232,7 @@ def test_dataloaders_passed_directly_get_their_generators_back(tiny: Any, tmp_pa
     assert torch.equal(before, loader.generator.get_state())
 
 
+@pytest.mark.slow  # 2 s of CPU on a 2-core machine, with the processes it starts
 def test_outputs_csv_png_and_tensorboard(tiny: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     Net, Blobs, make = tiny
     trainer = make(default_root_dir=tmp_path, logger=True)

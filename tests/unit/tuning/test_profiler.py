@@ -34,6 +34,7 @@ def _fit(tiny: Any, tmp_path: Path, profiler: Any, **options: Any) -> tuple[embe
     return trainer, module, time.perf_counter() - start
 
 
+@pytest.mark.slow  # 2 s of CPU on a 2-core machine, with the processes it starts
 def test_simple_table_adds_up_to_the_fit_wall_time(tiny: Any, tmp_path: Path, capsys: Any) -> None:
     trainer, _, wall = _fit(tiny, tmp_path, "simple", callbacks=[_Slow()], logger=True, enable_checkpointing=True)
     (report,) = trainer.profiler.reports
@@ -71,6 +72,7 @@ def test_the_named_actions_cover_nine_tenths_of_the_fit(tiny: Any, tmp_path: Pat
     assert 0.9 * wall <= named <= wall, (named, wall)
 
 
+@pytest.mark.slow  # 2 s of CPU on a 2-core machine, with the processes it starts
 def test_a_profiled_run_trains_exactly_like_an_unprofiled_one(tiny: Any, tmp_path: Path) -> None:
     results = []
     for profiler in (None, "simple"):

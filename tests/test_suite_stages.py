@@ -1,0 +1,148 @@
+"""The README's test command: its stages (the fast tests first), what each stage selects, and the order in which
+the suite hands its tests to the xdist workers (tests/conftest.py, `pytest_collection_modifyitems`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFTEST = (ROOT / "tests" / "conftest.py").read_text(encoding="utf-8")
+KINDS = ("slow", "distributed", "perf")
+
+
+def readme_test_command() -> str:
+    """The command under "install and pass the tests" in the README's "Two commands"."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# install and pass the tests"))
+    return lines[start + 1]
+
+
+def pytest_stages(command: str) -> list[list[str]]:
+    """The arguments of each ``python -m pytest`` in a ``&&`` chain, in order."""
+    parts = [shlex.split(part) for part in command.split("&&")]
+    return [part[3:] for part in parts if part[:3] == ["python", "-m", "pytest"]]
+
+
+def test_the_readme_test_command_runs_the_fast_tests_first_then_the_rest() -> None:
+    command = readme_test_command()
+    assert pytest_stages(command) == [["-m", "not slow and not distributed"], ["-m", "slow or distributed"]], command
+    # CI runs this command (tests/unit/test_docs_site.py) with no hypothesis profile of its own, so the
+    # README's command draws the same examples as CI: the profile `ci` (tests/conftest.py)
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "EMBER_HYPOTHESIS_PROFILE" not in command and "EMBER_HYPOTHESIS_PROFILE" not in ci
+    assert 'settings.load_profile(os.environ.get("EMBER_HYPOTHESIS_PROFILE", "ci"))' in CONFTEST
+
+
+DUMP_PLUGIN = """
+import json
+import os
+
+KINDS = {"slow", "distributed", "perf"}
+SEEN = {"selected": [], "deselected": []}
+
+
+def _kinds(item):
+    return sorted({mark.name for mark in item.iter_markers()} & KINDS)
+
+
+def pytest_deselected(items):
+    SEEN["deselected"] += [[item.nodeid, _kinds(item)] for item in items]
+
+
+def pytest_collection_finish(session):
+    SEEN["selected"] = [[item.nodeid, _kinds(item)] for item in session.items]
+    with open(os.environ["STAGE_DUMP"], "w") as out:
+        json.dump(SEEN, out)
+"""
+
+
+@pytest.mark.slow  # collects the whole suite in a new interpreter: 10-20 s on 2 cores
+def test_the_first_stage_selects_exactly_the_fast_tests(tmp_path: Path) -> None:
+    (first, _) = pytest_stages(readme_test_command())
+    (tmp_path / "stage_dump.py").write_text(DUMP_PLUGIN, encoding="utf-8")
+    dump = tmp_path / "stages.json"
+    pythonpath = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, STAGE_DUMP=str(dump), PYTHONPATH=pythonpath)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *first, "--collect-only", "-q", "-p", "stage_dump"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    seen = json.loads(dump.read_text())
+    selected, deselected = seen["selected"], seen["deselected"]
+    assert [nodeid for nodeid, kinds in selected if kinds] == []  # nothing slow, multi-process or timed
+    assert [nodeid for nodeid, kinds in deselected if not kinds] == []  # and every fast test
+    left_out = {kind for _, kinds in deselected for kind in kinds}
+    assert left_out == set(KINDS), left_out
+    assert len(selected) > 3 * len(deselected)  # most of the suite is fast (1,401 of 1,628 tests when written)
+    summary = f"{len(selected)}/{len(selected) + len(deselected)} tests collected ({len(deselected)} deselected)"
+    assert re.search(re.escape(summary), done.stdout), done.stdout[-500:]
+
+
+FILES = {
+    "test_a_fast.py": "def test_a1():\n    pass\n\n\ndef test_a2():\n    pass\n",
+    "test_b_mixed.py": (
+        "import pytest\n\n\ndef test_b1():\n    pass\n\n\n@pytest.mark.slow\ndef test_b2():\n    pass\n\n\n"
+        "def test_b3():\n    pass\n"
+    ),
+    "test_c_fast.py": "def test_c1():\n    pass\n",
+    "test_d_dist.py": "import pytest\n\npytestmark = pytest.mark.distributed\n\n\ndef test_d1():\n    pass\n",
+    "test_e_perf.py": "import pytest\n\n\n@pytest.mark.perf\ndef test_e1():\n    pass\n",
+}
+
+
+def collected(pytester: pytest.Pytester, *args: str) -> list[str]:
+    pytester.makeconftest(CONFTEST)
+    for name, body in FILES.items():
+        pytester.makepyfile(**{name[:-3]: body})
+    result = pytester.runpytest_inprocess("--collect-only", "-q", "-p", "no:cacheprovider", *args)
+    return [line for line in result.outlines if "::" in line]
+
+
+@pytest.mark.parametrize("order", [["-p", "no:randomly"], ["--randomly-seed=1"], ["--randomly-seed=2"]])
+def test_multi_process_files_come_first_then_slow_ones_each_file_whole(
+    pytester: pytest.Pytester, order: list[str]
+) -> None:
+    ids = collected(pytester, *order)
+    files = [nodeid.split("::")[0] for nodeid in ids]
+    assert files[0] == "test_d_dist.py" and files[1:4] == ["test_b_mixed.py"] * 3, ids
+    assert sorted(files[4:]) == ["test_a_fast.py", "test_a_fast.py", "test_c_fast.py"], ids
+    if order == ["-p", "no:randomly"]:  # otherwise in the order collected
+        assert ids == [
+            "test_d_dist.py::test_d1",
+            "test_b_mixed.py::test_b1",
+            "test_b_mixed.py::test_b2",
+            "test_b_mixed.py::test_b3",
+            "test_a_fast.py::test_a1",
+            "test_a_fast.py::test_a2",
+            "test_c_fast.py::test_c1",
+        ]
+
+
+@pytest.mark.parametrize(
+    ("expression", "expected"),
+    [
+        (None, 7),  # the plain run: everything but the timed test
+        ("not slow and not distributed", 5),  # the README's first stage: no timed test either
+        ("slow or distributed", 2),
+        ("perf", 1),  # named: the timed test alone
+    ],
+)
+def test_timed_tests_run_only_when_the_mark_expression_names_them(
+    pytester: pytest.Pytester, expression: str | None, expected: int
+) -> None:
+    ids = collected(pytester, "-p", "no:randomly", *([] if expression is None else ["-m", expression]))
+    assert len(ids) == expected, ids
+    assert ("test_e_perf.py::test_e1" in ids) == (expression == "perf"), ids
