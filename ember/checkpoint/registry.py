@@ -239,6 +239,11 @@ class Snapshot:
     group: Any = None
 
 
+#: Rank-state entries a snapshot may share with the live run instead of copying: the random streams are
+#: captured afresh for each snapshot, and an epoch's start state is captured once and replaced, never changed.
+_NEVER_MUTATED = frozenset({"rng", "epoch_start"})
+
+
 def gather(
     trainer: Trainer,
     module: TrainingModule,
@@ -279,7 +284,8 @@ def gather(
         tensors = {k: _copy_into(staging, k, v.detach(), on_cpu) for k, v in tensors.items()}
         if staging is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the copies into pinned memory ran asynchronously; the writer reads them
-        meta, rank_state = copy_module.deepcopy(meta), copy_module.deepcopy(rank_state)
+        meta = copy_module.deepcopy(meta)
+        rank_state = {k: v if k in _NEVER_MUTATED else copy_module.deepcopy(v) for k, v in rank_state.items()}
     strategy = trainer.strategy
     group = getattr(strategy, "checkpoint_group", None)
     return Snapshot(meta, tensors, rank_state, strategy.global_rank, strategy.world_size, group)
