@@ -277,7 +277,14 @@ def _checkpoint_of_run(trainer: Trainer, module: TrainingModule, command: str, w
 
     if which not in ("best", "last"):
         raise ConfigError("--run: give --ckpt best or --ckpt last with it (a path names its run already)")
-    root = Path(trainer.options.default_root_dir) / (trainer.options.run_name or run_name(module))
+    name = trainer.options.run_name or run_name(module)
+    if checkpoint.is_url(trainer.options.default_root_dir):  # the run is on a store: its checkpoints folder's newest
+        from ember.checkpoint.store import join
+
+        if which == "best":
+            raise ConfigError("--run with a default_root_dir on a store takes --ckpt last (or the checkpoint's URL)")
+        return join(str(trainer.options.default_root_dir), name, run, checkpoint.CHECKPOINT_SUBDIR)
+    root = Path(trainer.options.default_root_dir) / name
     path, _, _ = checkpoint.resolve_ckpt_path(which, root, command, [], run=run)
     assert path is not None  # only fit's 'last' finds nothing without an error
     return str(path)

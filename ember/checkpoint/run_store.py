@@ -106,23 +106,34 @@ def claim_version(url_root: str, local_root: Path) -> tuple[Path, str]:
     return run_dir, join(url_root, f"version_{number}")
 
 
-def find_last(url_root: str, local_root: Path, stage: str) -> tuple[Path, Path, str] | None:
-    """(the newest committed checkpoint of the store's runs under `url_root`, downloaded; the local run
-    directory that continues its run; a line to print), or None when no run there has one. Versions are
-    looked at newest first; the first with a committed checkpoint in its ``checkpoints/`` wins."""
+def newest_on_store(url_root: str) -> tuple[str, str] | None:
+    """(``version_N``, the URL of its newest committed checkpoint) of the store's runs under `url_root`, or None
+    when none has one. Versions are looked at newest first; the first with a committed checkpoint in its
+    ``checkpoints/`` wins."""
     fs, root = open_store(url_root, "default_root_dir")
     for number in store_versions(fs, root):
         version = f"version_{number}"
         folder_url = join(url_root, version, CHECKPOINT_SUBDIR)
         found = manifest.newest(fs, join(root, version, CHECKPOINT_SUBDIR), redact(folder_url))
-        if found is None:
-            continue
-        path = manifest.fetch_checkpoint(join(folder_url, found[0]), "ckpt_path")
-        run_dir = local_root / version
-        restore_logs(fs, join(root, version), run_dir)
-        what = "resuming from" if stage == "fit" else f"{stage}: loading"
-        return path, run_dir, f"{what} {redact(join(folder_url, found[0]))}, the newest checkpoint on the store"
+        if found is not None:
+            return version, join(folder_url, found[0])
     return None
+
+
+def find_last(url_root: str, local_root: Path, stage: str) -> tuple[Path, Path, str] | None:
+    """(the newest committed checkpoint of the store's runs under `url_root` (`newest_on_store`), downloaded;
+    the local run directory that continues its run, its logs brought back (`restore_logs`); a line to print),
+    or None when no run there has one."""
+    found = newest_on_store(url_root)
+    if found is None:
+        return None
+    version, checkpoint_url = found
+    path = manifest.fetch_checkpoint(checkpoint_url, "ckpt_path")
+    fs, root = open_store(url_root, "default_root_dir")
+    run_dir = local_root / version
+    restore_logs(fs, join(root, version), run_dir)
+    what = "resuming from" if stage == "fit" else f"{stage}: loading"
+    return path, run_dir, f"{what} {redact(checkpoint_url)}, the newest checkpoint on the store"
 
 
 def restore_logs(fs: Any, remote: str, run_dir: Path) -> list[str]:

@@ -241,3 +241,28 @@ def test_cli_fit_with_a_root_on_the_store_then_resume_last_on_an_empty_machine(
     assert "config-resume-1.yaml" in stored  # the first segment's config.yaml was brought back, and kept
     steps = [int(row.split(b",")[0]) for row in stored["metrics.csv"].splitlines()[1:]]
     assert steps == sorted(steps) and steps[0] < 6 <= steps[-1]  # both segments' rows, in order
+
+
+def test_cli_test_and_export_take_last_of_a_run_on_the_store(
+    project: Path, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = f"trainer.default_root_dir={url}"
+    assert main(["fit", "-c", str(project), root]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["test", "-c", str(project), root, "--ckpt", "last"]) == 0
+    assert f"test: loading {url}/net/version_0/checkpoints/epoch=" in capsys.readouterr().err
+    assert any(name.startswith("eval/test-epoch=") for name in _store_files(f"{url}/net/version_0"))  # synced
+    assert main(["validate", "-c", str(project), root, "--run", "version_0", "--ckpt", "last"]) == 0
+    assert f"validate: loading {url}/net/version_0/checkpoints" in capsys.readouterr().err
+    out = project.parent / "exports"
+    export = ["export", "-c", str(project), root, "--format", "safetensors", "--out", str(out), "--name", "net"]
+    assert main([*export, "--ckpt", "last"]) == 0, capsys.readouterr().err
+    assert (out / "net.safetensors").stat().st_size > 0
+    capsys.readouterr()
+    for argv in (
+        [*export, "--ckpt", "best"],
+        ["test", "-c", str(project), root, "--run", "version_0", "--ckpt", "best"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "store" in err[0] and "Traceback" not in err[0], err
