@@ -106,6 +106,17 @@ def claim_version(url_root: str, local_root: Path) -> tuple[Path, str]:
     return run_dir, join(url_root, f"version_{number}")
 
 
+def release_if_unused(run_url: str) -> bool:
+    """Remove the version at `run_url` from the store when it holds nothing but its claim and a ``status.json``
+    (a run that claimed a version and left nothing in it, whose local folder was released); returns whether it did."""
+    fs, root = open_store(run_url, "default_root_dir")
+    names = [str(name)[len(root.rstrip("/")) + 1 :] for name in fs.find(root)]
+    if not set(names) <= {CLAIM_FILE, "status.json"}:
+        return False
+    fs.rm(root, recursive=True)  # the folder too, where the store keeps folders (memory://, file://)
+    return True
+
+
 def newest_on_store(url_root: str) -> tuple[str, str] | None:
     """(``version_N``, the URL of its newest committed checkpoint) of the store's runs under `url_root`, or None
     when none has one. Versions are looked at newest first; the first with a committed checkpoint in its

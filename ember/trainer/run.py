@@ -267,6 +267,8 @@ def finish(
     if claimed is not None and trainer.world_size == 1:
         run_status.discard_if_alone(claimed[0])
         ckpt.release_if_empty(*claimed)
+        if trainer.run_state.run_url is not None and not claimed[0].exists():  # released: so is its store version
+            run_store.release_if_unused(trainer.run_state.run_url)
     if trainer.profiler is not None:
         trainer.profiler.end(trainer)
 

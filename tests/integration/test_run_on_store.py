@@ -60,6 +60,10 @@ class Tiny(ember.TrainingModule):
         self.log("train/loss", loss)
         return loss
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val/loss", F.mse_loss(self.net(x), y))
+
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=0.05)
 
@@ -266,3 +270,13 @@ def test_cli_test_and_export_take_last_of_a_run_on_the_store(
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "store" in err[0] and "Traceback" not in err[0], err
+
+
+def test_an_evaluation_that_leaves_nothing_releases_its_version_on_the_store(url: str) -> None:
+    ember.seed_everything(0)
+    trainer = ember.Trainer(default_root_dir=url, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.validate(Tiny(), _loader())  # no checkpoint: nothing to record, the claimed version is given back
+    assert not trainer.run_dir.exists()
+    fs, root = open_store(url)
+    assert fs.find(root) == []
+    assert _fit(url, 1).run_url == f"{url}/tiny/version_0"  # the number is free again
