@@ -280,3 +280,12 @@ def test_an_evaluation_that_leaves_nothing_releases_its_version_on_the_store(url
     fs, root = open_store(url)
     assert fs.find(root) == []
     assert _fit(url, 1).run_url == f"{url}/tiny/version_0"  # the number is free again
+
+
+def test_a_root_on_a_store_nothing_can_open_fails_in_one_line_before_writing_anything(cache: Path) -> None:
+    with pytest.raises(
+        ember.checkpoint.CheckpointError, match=r"default_root_dir=nosuch://b/runs.*cannot open"
+    ) as info:
+        _fit("nosuch://b/runs", 1)
+    assert len(str(info.value).splitlines()) == 1 and "install" in str(info.value)
+    assert not cache.exists() and list(Path.cwd().iterdir()) == []

@@ -292,7 +292,7 @@ def test_run_versions_are_claimed_with_a_conditional_write_the_server_enforces(
         fs.pipe_file(f"{root}/version_0/{run_store.CLAIM_FILE}", b"{}", mode="create")
 
 
-@pytest.mark.slow  # about 30 s on 2 cores: two fresh processes that import torch and s3fs, one killed mid-run
+@pytest.mark.slow  # 10-30 s on 2 cores: two fresh processes that import torch and s3fs, one killed mid-run
 def test_a_run_on_s3_killed_mid_run_leaves_a_loadable_last_and_logs_then_resumes_on_an_empty_machine(
     tmp_path: Path, s3_env: dict[str, str]
 ) -> None:
