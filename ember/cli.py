@@ -338,7 +338,8 @@ def run(command: str, trainer: Trainer, module: TrainingModule, data: DataModule
     """Call ``trainer.<command>`` and print a one-line summary from process 0.
 
     ``predict`` saves its outputs with `torch.save` to ``<run dir>/predictions.pt`` (one file per
-    process, ``predictions-rank<N>.pt``, when several processes predict their shares of the data).
+    process, ``predictions-rank<N>.pt``, when several processes predict their shares of the data); for a
+    run on a store (``default_root_dir`` a URL) the file is copied to the same place under the run's URL.
     """
     kwargs: dict[str, Any] = {"datamodule": data}
     if ckpt_path is not None:
@@ -361,6 +362,13 @@ def run(command: str, trainer: Trainer, module: TrainingModule, data: DataModule
         path = trainer.run_dir / name
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(predictions, path)
+        if trainer.run_url is not None:  # the run lives on a store: the outputs go beside its logs there
+            from ember.checkpoint.run_store import upload_file
+
+            try:
+                upload_file(trainer.run_dir, trainer.run_url, path)
+            except OSError as exc:
+                print(f"ember: warning: could not copy {path} to the store ({exc}); copy it by hand", file=sys.stderr)
         n = len(predictions)
         elapsed = time.perf_counter() - start
         if trainer.is_global_zero:

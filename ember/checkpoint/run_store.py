@@ -166,6 +166,15 @@ def restore_logs(fs: Any, remote: str, run_dir: Path) -> list[str]:
     return done
 
 
+def upload_file(run_dir: Path, run_url: str, path: Path) -> str:
+    """Copy `path`, a file inside `run_dir`, to the same place under `run_url` now (a file written after the run
+    ended, such as ``ember predict``'s outputs); returns its URL."""
+    fs, root = open_store(run_url, "default_root_dir")
+    name = path.relative_to(run_dir).as_posix()
+    fs.put_file(str(path), join(root, name))
+    return join(run_url, name)
+
+
 class LogSync:
     """Copies the files of a local run directory (all but ``checkpoints/`` and hidden files such as the run
     lock) to its URL: every `every_s` seconds on a thread of its own, and once more at `close`. A file is

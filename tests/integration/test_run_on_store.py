@@ -258,6 +258,10 @@ def test_cli_test_and_export_take_last_of_a_run_on_the_store(
     assert any(name.startswith("eval/test-epoch=") for name in _store_files(f"{url}/net/version_0"))  # synced
     assert main(["validate", "-c", str(project), root, "--run", "version_0", "--ckpt", "last"]) == 0
     assert f"validate: loading {url}/net/version_0/checkpoints" in capsys.readouterr().err
+    assert main(["predict", "-c", str(project), root, "--ckpt", "last"]) == 0, capsys.readouterr().err
+    stored = _store_files(f"{url}/net/version_0")
+    outputs = [name for name in stored if name.startswith("eval/predict-epoch=") and name.endswith(".pt")]
+    assert len(outputs) == 1 and stored[outputs[0]] == (Path(capsys.readouterr().out.split()[-1])).read_bytes()
     out = project.parent / "exports"
     export = ["export", "-c", str(project), root, "--format", "safetensors", "--out", str(out), "--name", "net"]
     assert main([*export, "--ckpt", "last"]) == 0, capsys.readouterr().err
