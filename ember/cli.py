@@ -277,7 +277,14 @@ def _checkpoint_of_run(trainer: Trainer, module: TrainingModule, command: str, w
 
     if which not in ("best", "last"):
         raise ConfigError("--run: give --ckpt best or --ckpt last with it (a path names its run already)")
-    root = Path(trainer.options.default_root_dir) / (trainer.options.run_name or run_name(module))
+    name = trainer.options.run_name or run_name(module)
+    if checkpoint.is_url(trainer.options.default_root_dir):  # the run is on a store: its checkpoints folder's newest
+        from ember.checkpoint.store import join
+
+        if which == "best":
+            raise ConfigError("--run with a default_root_dir on a store takes --ckpt last (or the checkpoint's URL)")
+        return join(str(trainer.options.default_root_dir), name, run, checkpoint.CHECKPOINT_SUBDIR)
+    root = Path(trainer.options.default_root_dir) / name
     path, _, _ = checkpoint.resolve_ckpt_path(which, root, command, [], run=run)
     assert path is not None  # only fit's 'last' finds nothing without an error
     return str(path)
@@ -331,7 +338,8 @@ def run(command: str, trainer: Trainer, module: TrainingModule, data: DataModule
     """Call ``trainer.<command>`` and print a one-line summary from process 0.
 
     ``predict`` saves its outputs with `torch.save` to ``<run dir>/predictions.pt`` (one file per
-    process, ``predictions-rank<N>.pt``, when several processes predict their shares of the data).
+    process, ``predictions-rank<N>.pt``, when several processes predict their shares of the data); for a
+    run on a store (``default_root_dir`` a URL) the file is copied to the same place under the run's URL.
     """
     kwargs: dict[str, Any] = {"datamodule": data}
     if ckpt_path is not None:
@@ -354,6 +362,13 @@ def run(command: str, trainer: Trainer, module: TrainingModule, data: DataModule
         path = trainer.run_dir / name
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(predictions, path)
+        if trainer.run_url is not None:  # the run lives on a store: the outputs go beside its logs there
+            from ember.checkpoint.run_store import upload_file
+
+            try:
+                upload_file(trainer.run_dir, trainer.run_url, path)
+            except OSError as exc:
+                print(f"ember: warning: could not copy {path} to the store ({exc}); copy it by hand", file=sys.stderr)
         n = len(predictions)
         elapsed = time.perf_counter() - start
         if trainer.is_global_zero:

@@ -158,5 +158,7 @@ def _restore_global_state() -> Iterator[GlobalState]:
 
 @pytest.fixture(autouse=True)
 def _isolated_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runs write `runs/` into the working directory: keep each test's apart from the repo."""
+    """Runs write `runs/` into the working directory, and runs on a store stage into ``EMBER_CACHE``: keep each
+    test's apart from the repo and from the home directory."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EMBER_CACHE", str(tmp_path / ".ember-cache"))

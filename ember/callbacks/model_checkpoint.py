@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import Callback
 from ember.callbacks.monitored import check_after_sanity
-from ember.checkpoint.store import check_url, is_url
+from ember.checkpoint.store import check_url, is_url, join
 
 if TYPE_CHECKING:
     from ember.checkpoint.mirror import StoreMirror
@@ -215,6 +215,8 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
         if self.dirpath is None and stage == "fit":
             self.dirpath = trainer.run_dir / "checkpoints"
+            if self.store_url is None and trainer.run_url is not None:  # the run lives on a store: so do its saves
+                self.store_url = join(trainer.run_url, "checkpoints")
         if self.store_url is not None and stage == "fit" and trainer.is_global_zero and self._mirror is None:
             from ember.checkpoint.mirror import StoreMirror
 

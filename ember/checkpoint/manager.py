@@ -179,6 +179,7 @@ class CheckpointManager:
         folders: Sequence[Path] = (),
         known_best: str | None = None,
         stores: Sequence[str] = (),
+        run_url: str | None = None,
     ) -> tuple[Path | None, Path | None]:
         """(the checkpoint `ckpt_path` names, the run directory fit continues or None); see
         `ember.checkpoint.resolve_ckpt_path`. `folders` (explicit ``ModelCheckpoint(dirpath=...)``) are
@@ -189,9 +190,13 @@ class CheckpointManager:
         (`ember.checkpoint.check_last_replaceable`).
 
         ``"last"`` with no local checkpoint takes the newest committed one of `stores` (the URLs of
-        ``ModelCheckpoint(dirpath=URL)``): a run continued on a machine that shares nothing but the store."""
+        ``ModelCheckpoint(dirpath=URL)``): a run continued on a machine that shares nothing but the store.
+        With `run_url` (``default_root_dir`` is a URL; `run_root` is then its staging folder) ``"last"`` is the
+        newest committed checkpoint of the runs on the store (`ember.checkpoint.run_store.find_last`)."""
         path, run_dir, message = None, None, None
-        if ckpt_path is not None:
+        if run_url is not None and ckpt_path in ("last", "best"):
+            path, run_dir, message = _last_of_store_runs(ckpt_path, run_url, run_root, stage)
+        elif ckpt_path is not None:
             local_error: ckpt.CheckpointError | None = None
             try:
                 path, run_dir, message = ckpt.resolve_ckpt_path(ckpt_path, run_root, stage, list(folders), known_best)
@@ -273,6 +278,25 @@ def _last_on_stores(
         where = ", ".join(map(redact, stores))
         raise ckpt.CheckpointError(f"ckpt_path='last': no complete checkpoint here nor in {where}")
     return None, message
+
+
+def _last_of_store_runs(
+    which: str, run_url: str, run_root: Path, stage: str
+) -> tuple[Path | None, Path | None, str | None]:
+    """``ckpt_path='last'`` for runs whose root is on a store: (checkpoint, run directory, line to print)."""
+    from ember.checkpoint import run_store
+
+    if which == "best":
+        raise ckpt.CheckpointError(
+            f"ckpt_path='best' with default_root_dir on a store ({redact(run_url)}): give the checkpoint's URL "
+            "(ModelCheckpoint's best_model_path names it), or 'last'"
+        )
+    found = run_store.find_last(run_url, run_root, stage)
+    if found is not None:
+        return found
+    if stage != "fit":
+        raise ckpt.CheckpointError(f"ckpt_path='last': no committed checkpoint under {redact(run_url)}")
+    return None, None, f"no checkpoint under {redact(run_url)}; starting a new run"
 
 
 def _telling_loggers(trainer: Trainer, on_done: OnDone | None) -> OnDone:

@@ -39,6 +39,8 @@ def find_checkpoint(ckpt: str, config: dict[str, Any] | None, module_class: str 
         if config is not None:
             trainer = config["trainer"]
             name = trainer["run_name"] or run_name(import_target(config["module"]["_target_"]))
+            if checkpoint.is_url(trainer["default_root_dir"]):  # the run lives on a store
+                return _last_on_store(ckpt, f"{str(trainer['default_root_dir']).rstrip('/')}/{name}")
             root = Path(trainer["default_root_dir"]) / name
             folders = [
                 Path(spec["dirpath"])
@@ -66,6 +68,23 @@ def find_checkpoint(ckpt: str, config: dict[str, Any] | None, module_class: str 
         if checkpoint.is_url(ckpt):  # on a store: downloaded and checked against its manifest
             return checkpoint.resolve_path(checkpoint.fetch_checkpoint(ckpt, "--ckpt"))
         return checkpoint.resolve_path(Path(ckpt))
+    except checkpoint.CheckpointError as exc:
+        raise ConfigError(f"--ckpt: {exc}") from exc
+
+
+def _last_on_store(ckpt: str, url_root: str) -> Path:
+    """``--ckpt last`` of a run whose ``default_root_dir`` is a URL: the store's newest committed checkpoint."""
+    from ember.checkpoint import run_store
+    from ember.checkpoint.store import redact
+
+    shown = redact(url_root)
+    if ckpt == "best":
+        raise ConfigError(f"--ckpt best: the run is on a store ({shown}); give the checkpoint's URL with --ckpt")
+    try:
+        found = run_store.newest_on_store(url_root)
+        if found is None:
+            raise ConfigError(f"--ckpt last: no committed checkpoint under {shown}; train first (ember fit)")
+        return checkpoint.resolve_path(checkpoint.fetch_checkpoint(found[1], "--ckpt"))
     except checkpoint.CheckpointError as exc:
         raise ConfigError(f"--ckpt: {exc}") from exc
 

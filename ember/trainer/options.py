@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ember.callbacks.timer import parse_duration
-from ember.checkpoint.store import is_url, redact
+from ember.checkpoint.store import check_url, is_url
 from ember.hints import did_you_mean
 from ember.strategies.precision import resolve_precision
 from ember.strategies.strategy import Strategy
@@ -179,12 +179,8 @@ def check(options: TrainerOptions) -> None:
     reload = options.reload_dataloaders_every_n_epochs
     if isinstance(reload, bool) or not isinstance(reload, int) or reload < 0:
         raise ValueError(f"reload_dataloaders_every_n_epochs={reload!r} must be an int >= 0 (0: never)")
-    if is_url(options.default_root_dir):
-        raise ValueError(
-            f"default_root_dir={redact(str(options.default_root_dir))}: a run directory on object storage is not "
-            "supported yet; keep default_root_dir local and put the checkpoints on the store with "
-            "ModelCheckpoint(dirpath=URL)"
-        )
+    if is_url(options.default_root_dir):  # a run on a store (`ember.checkpoint.run_store`): no credentials in it
+        check_url(str(options.default_root_dir), "default_root_dir")
     if options.benchmark and options.deterministic:
         raise ValueError(
             "benchmark=True lets cuDNN pick kernels by timing them, which deterministic=True forbids; drop one"

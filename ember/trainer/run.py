@@ -27,8 +27,9 @@ from ember import checkpoint as ckpt
 from ember import stages
 from ember.callbacks.callback_list import CallbackList
 from ember.callbacks.model_checkpoint import ModelCheckpoint
-from ember.checkpoint import run_status
+from ember.checkpoint import run_status, run_store
 from ember.checkpoint.run_lock import RunLockedError
+from ember.checkpoint.store import is_url, join
 from ember.loggers.guard import LoggerGuard
 from ember.loggers.logger import Logger
 from ember.modules.datamodule import DataModule
@@ -47,6 +48,10 @@ class RunState:
     the rest describes the current (or most recent) run. Written by this module alone."""
 
     run_dir: Path | None = None
+    #: The run directory's URL when ``default_root_dir`` is one (`run_dir` is then its local staging copy).
+    run_url: str | None = None
+    #: Copies the run directory's logs to `run_url` (process 0 of a run on a store; `ember.checkpoint.run_store`).
+    log_sync: run_store.LogSync | None = None
     #: Built from ``Trainer(logger=...)`` when the trainer is (so ``trainer.logger`` exists before fit, as in
     #: Lightning); processes other than 0 drop them when their first run starts.
     loggers: list[Logger] = field(default_factory=list)
@@ -134,31 +139,51 @@ def prepare(
         if not trainer.is_global_zero:
             state.loggers = []
         state.loggers_resolved = True
-    root = Path(options.default_root_dir) / (options.run_name or run_name(module))
+    name = options.run_name or run_name(module)
+    url_root = join(str(options.default_root_dir), name) if is_url(options.default_root_dir) else None
+    root = _local_root(str(options.default_root_dir)) / name
     savers = [cb for cb in trainer.user_callbacks if isinstance(cb, ModelCheckpoint)]
     folders = [Path(cb.dirpath) for cb in savers if cb.dirpath]
     known_best = next((cb.best_model_path for cb in savers if cb.best_model_path), None)
     stores = [cb.store_url for cb in savers if cb.store_url]
     state.ckpt, continued = trainer.checkpoints.resolve(
-        trainer, ckpt_path, root, stage.name, folders, known_best, stores
+        trainer, ckpt_path, root, stage.name, folders, known_best, stores, url_root
     )
     claimed: tuple[Path, Path] | None = None
     if continued is not None:
         state.run_dir = continued
     elif state.run_dir is None:
-        boundary = Path(options.default_root_dir).parent
-        claimed = ckpt.claim_version(root, boundary) if trainer.is_global_zero else None
+        claimed = _claim(trainer, root, url_root) if trainer.is_global_zero else None
         state.run_dir = trainer.strategy.broadcast(claimed[0] if claimed is not None else None)
+    if url_root is not None and state.run_dir is not None:
+        state.run_url = join(url_root, state.run_dir.name)
     if stage is stages.FIT:
         hold_run(trainer, claimed)
     try:
         for logger in trainer.loggers:
             logger.attach(trainer.run_dir)
         state.logger_guard.attach(trainer.loggers, state.run_dir, options.logger_timeout_s)
+        if state.run_url is not None and trainer.is_global_zero:
+            state.log_sync = run_store.LogSync(trainer.run_dir, state.run_url, run_store.sync_every_s())
     except BaseException:
         trainer.checkpoints.release_run()  # `finish` will not run: nothing of this run started
         raise
     return hooks, claimed
+
+
+def _local_root(default_root_dir: str) -> Path:
+    """Where the run directories live on this machine: `default_root_dir`, or for a URL its staging folder."""
+    if not is_url(default_root_dir):
+        return Path(default_root_dir)
+    return run_store.staging_dir(default_root_dir)
+
+
+def _claim(trainer: Trainer, root: Path, url_root: str | None) -> tuple[Path, Path]:
+    """A new ``version_N`` (process 0): in `root`, numbered by the store when the run lives on one (`url_root`).
+    Returns it and the folder `release_if_empty` keeps."""
+    if url_root is None:
+        return ckpt.claim_version(root, Path(trainer.options.default_root_dir).parent)
+    return run_store.claim_version(url_root, root)[0], root
 
 
 def hold_run(trainer: Trainer, claimed: tuple[Path, Path] | None) -> None:
@@ -236,9 +261,14 @@ def finish(
         trainer.run_state.stage = None
     finally:
         trainer.checkpoints.release_run()
+        sync, trainer.run_state.log_sync = trainer.run_state.log_sync, None
+        if sync is not None:  # the last copy of the logs, status.json's end included (also on preemption)
+            sync.close()
     if claimed is not None and trainer.world_size == 1:
         run_status.discard_if_alone(claimed[0])
         ckpt.release_if_empty(*claimed)
+        if trainer.run_state.run_url is not None and not claimed[0].exists():  # released: so is its store version
+            run_store.release_if_unused(trainer.run_state.run_url)
     if trainer.profiler is not None:
         trainer.profiler.end(trainer)
 

@@ -339,6 +339,15 @@ class Trainer:
         return self.run_state.run_dir
 
     @property
+    def run_url(self) -> str | None:
+        """The run directory's URL when ``default_root_dir`` is one (``s3://bucket/runs/net/version_3``), else None.
+
+        `run_dir` is then the run's local staging copy; its checkpoints and logs are copied to this URL
+        (`ember.checkpoint.run_store`).
+        """
+        return self.run_state.run_url
+
+    @property
     def log_dir(self) -> Path:
         """Alias of `run_dir`."""
         return self.run_dir

@@ -89,10 +89,13 @@ def _committed(url: str) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("root", ["memory://bucket/runs", "s3://bucket/runs", "gs://b/r", "file:///tmp/x"])
-def test_a_url_root_dir_is_refused_in_one_line_and_makes_no_local_folder(root: str, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"default_root_dir=.*://.*not supported yet.*ModelCheckpoint\(dirpath=URL\)"):
+@pytest.mark.parametrize("root", ["memory://k:s3cret@bucket/runs", "s3://bucket/runs?token=s3cret"])
+def test_a_url_root_dir_with_credentials_is_refused_in_one_line_and_makes_no_local_folder(
+    root: str, tmp_path: Path
+) -> None:
+    with pytest.raises(CheckpointError, match=r"default_root_dir=.*://.*credentials.*environment") as info:
         ember.Trainer(default_root_dir=root)
+    assert "s3cret" not in str(info.value) and len(str(info.value).splitlines()) == 1
     assert list(Path.cwd().iterdir()) == []  # no 's3:' / 'memory:' folder
 
 
@@ -174,10 +177,12 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str) -> Iterat
         del sys.modules[name]
 
 
-def test_cli_url_root_dir_exits_2_in_one_line(project: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["fit", "-c", str(project), "trainer.default_root_dir=s3://bucket/runs"]) == 2
+def test_cli_url_root_dir_with_credentials_exits_2_in_one_line(
+    project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["fit", "-c", str(project), "trainer.default_root_dir=s3://AKID:s3cret@bucket/runs"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not supported yet" in err[0] and "Traceback" not in err[0]
+    assert len(err) == 1 and "credentials" in err[0] and "Traceback" not in err[0] and "s3cret" not in err[0]
     assert not (Path.cwd() / "s3:").exists()
 
 

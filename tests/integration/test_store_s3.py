@@ -8,6 +8,7 @@ and appear in no checkpoint, object or message."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember.checkpoint import manifest
+from ember.checkpoint import manifest, run_store
 from ember.checkpoint.store import open_store
 
 pytest.importorskip("s3fs", reason="s3:// needs s3fs (pip install -e '.[dev]')")
@@ -41,7 +42,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 import ember
 from ember.callbacks.model_checkpoint import ModelCheckpoint
-from ember.checkpoint import manifest
+from ember.checkpoint import manifest, run_store
 from ember.checkpoint.store import open_store
 import s3fs
 import torch._dynamo, torch.distributed.checkpoint  # what a fit imports on first use, imported before forking
@@ -246,3 +247,91 @@ def _kill_and_resume(tmp_path: Path, zygote: Zygote, bucket: str) -> None:
     for key in fs.find(bucket):  # nothing secret in any object on the store
         data = fs.cat_file(key)
         assert SECRET.encode() not in data and KEY_ID.encode() not in data, key
+
+
+RUN_ON_STORE = """
+import sys, time, torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+import ember
+from ember.callbacks.model_checkpoint import ModelCheckpoint
+
+class Net(ember.TrainingModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 32), nn.Linear(32, 1))
+    def training_step(self, batch, batch_idx):
+        time.sleep(float(sys.argv[3]))  # slow enough for the test to kill it mid-run
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train/loss", loss)
+        return loss
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+g = torch.Generator().manual_seed(0)
+data = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
+trainer = ember.Trainer(max_steps=int(sys.argv[2]), default_root_dir=sys.argv[1], log_every_n_steps=1,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[ModelCheckpoint(every_n_train_steps=int(sys.argv[4]), async_save=True)])
+trainer.fit(Net(), DataLoader(data, batch_size=4), ckpt_path="last")
+print(trainer.run_url, trainer.global_step)
+"""
+
+
+def test_run_versions_are_claimed_with_a_conditional_write_the_server_enforces(
+    tmp_path: Path, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"s3://{_bucket(s3_env)}/runs/net"
+    monkeypatch.setattr(run_store, "store_versions", lambda fs, root: [])  # as if the listing lagged the claims
+    runs = [run_store.claim_version(url, tmp_path / f"machine-{i}") for i in range(3)]
+    assert [r[1] for r in runs] == [f"{url}/version_{i}" for i in range(3)]
+    fs, root = open_store(url)
+    with pytest.raises(FileExistsError):  # If-None-Match: * refused by the server, not checked by the client
+        fs.pipe_file(f"{root}/version_0/{run_store.CLAIM_FILE}", b"{}", mode="create")
+
+
+@pytest.mark.slow  # 10-30 s on 2 cores: two fresh processes that import torch and s3fs, one killed mid-run
+def test_a_run_on_s3_killed_mid_run_leaves_a_loadable_last_and_logs_then_resumes_on_an_empty_machine(
+    tmp_path: Path, s3_env: dict[str, str]
+) -> None:
+    url = f"s3://{_bucket(s3_env)}/runs"
+    script = tmp_path / "fit.py"
+    script.write_text(RUN_ON_STORE)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", EMBER_SYNC_EVERY_S="0.2")
+    log = (tmp_path / "first.log").open("w")
+    first = subprocess.Popen(
+        [sys.executable, str(script), url, "400", "0.05", "1"], stdout=log, stderr=subprocess.STDOUT,
+        env=dict(env, EMBER_CACHE=str(tmp_path / "machine-a")),
+    )  # fmt: skip
+    fs, root = open_store(url)
+    run = f"{root}/net/version_0"
+    try:
+        deadline = time.monotonic() + 60
+        while not (fs.exists(f"{run}/checkpoints/last") and fs.exists(f"{run}/metrics.csv")):
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-2000:]
+            time.sleep(0.1)
+            fs.invalidate_cache()
+    finally:
+        first.kill()  # SIGKILL: no end of run, no last sync
+        first.wait(timeout=30)
+        log.close()
+    fs.invalidate_cache()
+    assert json.loads(fs.cat_file(f"{run}/status.json"))["status"] == "running"
+    assert fs.cat_file(f"{run}/metrics.csv").startswith(b"step,")
+    found = run_store.find_last(f"{url}/net", tmp_path / "machine-b", "fit")
+    assert found is not None and found[1] == tmp_path / "machine-b" / "version_0"
+    resumed_from = found[0].name
+    assert resumed_from.startswith("epoch=") and 0 < int(resumed_from.rsplit("=", 1)[1]) < 60
+    second = subprocess.run(
+        [sys.executable, str(script), url, "60", "0", "30"], capture_output=True, text=True, timeout=120,
+        env=dict(env, EMBER_CACHE=str(tmp_path / "machine-c")),
+    )  # fmt: skip
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert second.stdout.split()[-2:] == [f"{url}/net/version_0", "60"]
+    assert "resuming from" in second.stderr and KEY_ID not in second.stderr and SECRET not in second.stderr
+    fs.invalidate_cache()
+    status = json.loads(fs.cat_file(f"{run}/status.json"))
+    assert status["status"] == "finished" and status["global_step"] == 60
+    assert not fs.exists(f"{root}/net/version_1")  # the resume continued version_0
