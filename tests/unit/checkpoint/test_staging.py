@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from ember.checkpoint import registry
-from ember.checkpoint.registry import staging_buffer
+from ember.checkpoint.staging import copy_into, staging_buffer
 
 
 def test_a_device_tensor_is_staged_in_host_memory_and_the_buffer_is_reused() -> None:
@@ -56,8 +55,8 @@ def test_pinned_only_for_device_tensors_when_cuda_is_available(
 def test_copies_hold_the_values_and_reuse_the_buffers_across_saves() -> None:
     staging: dict[str, torch.Tensor] = {}
     live = torch.arange(6, dtype=torch.float32).reshape(2, 3).t()  # not contiguous
-    first = registry._copy_into(staging, "w", live)
+    first = copy_into(staging, "w", live)
     assert torch.equal(first, live) and first.is_contiguous()
     live.add_(1)  # training goes on; the next save copies into the same buffer
-    second = registry._copy_into(staging, "w", live)
+    second = copy_into(staging, "w", live)
     assert second is first and torch.equal(second, live)

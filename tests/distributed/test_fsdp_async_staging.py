@@ -1,0 +1,146 @@
+"""Async FSDP2 saves stage each DTensor's local shard in a host buffer reused save after save (issue 34 item 5).
+
+The job (2 processes over gloo) runs `dist_workload.fit_shuffled` (AdamW, dropout, shuffled data) uninterrupted,
+then with an async checkpoint every step, stopped in its second epoch, then resumed from ``last``. Around
+every async snapshot of the stopped fit each rank records what was staged for each checkpoint key: its
+kind (a `HostShard` for a DTensor), device, the identity and address of its host buffer, whether that
+buffer is the manager's staging buffer, whether it shares memory with the live state, and whether it holds
+the live shard's values. On CPU "host" is where everything is; what shows a GPU run would keep no device
+copy is that the staged object is not a DTensor clone but the staging buffer, the same one every save.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dist_harness as harness
+import pytest
+import torch
+
+from ember import checkpoint as ckpt
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = """\
+import sys
+from pathlib import Path
+
+import torch
+
+import dist_workload as W
+from ember import checkpoint as ckpt
+from ember.checkpoint import registry
+from ember.checkpoint.staging import HostShard
+
+out = Path(sys.argv[1])
+saves = []
+original = registry.gather
+
+
+def _local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def recording_gather(trainer, module, weights_only, copy, staging=None):
+    snapshot = original(trainer, module, weights_only, copy, staging)
+    if not copy:
+        return snapshot
+    entries = registry.registry(trainer, module)
+    live = {}
+    for name in ("module", "optimizers"):
+        live.update(ckpt.split_tensors({name: entries[name].state_dict()})[1])
+    live_ptrs = {_local(t).untyped_storage().data_ptr() for t in live.values()}
+    record = {}
+    for key, value in snapshot.tensors.items():
+        shard = isinstance(value, HostShard)
+        buffer = value.buffer if shard else _local(value)
+        record[key] = {
+            "live_is_dtensor": hasattr(live[key], "to_local"),
+            "host_shard": shard,
+            "device": buffer.device.type,
+            "buffer_id": id(buffer),
+            "ptr": buffer.data_ptr(),
+            "is_staging_buffer": staging is not None and staging.get(key) is buffer,
+            "shares_live_memory": buffer.untyped_storage().data_ptr() in live_ptrs,
+            "equals_live": torch.equal(buffer, _local(live[key])),
+            "chunks": [(tuple(c.offsets), tuple(c.sizes)) for c in value.__create_chunk_list__()] if shard else None,
+        }
+    saves.append(record)
+    return snapshot
+
+
+def job():
+    root = out / "runs-staged"
+    full = W.summary(*W.fit_shuffled(W.fsdp(), out / "runs-full", max_epochs=2))
+    registry.gather = recording_gather
+    try:
+        # Stopped in the middle of the second epoch (12 steps per epoch), then resumed from `last`.
+        stopped = W.summary(*W.fit_shuffled(W.fsdp(), root, ckpt_every=1, stop_at=18, async_save=True, max_epochs=2))
+        stopped_saves = len(saves)
+        torch.distributed.barrier()
+        resumed = W.summary(
+            *W.fit_shuffled(W.fsdp(), root, ckpt_every=1, ckpt_path="last", async_save=True, max_epochs=2)
+        )
+    finally:
+        registry.gather = original
+    return {
+        "full": full,
+        "stopped": stopped,
+        "resumed": resumed,
+        "ckpt": str(W._last_checkpoint(root / "shuffled")),
+        "saves": saves[:stopped_saves],
+        "resumed_saves": saves[stopped_saves:],
+    }
+
+
+W.section(out, "async_staging", job)
+"""
+
+
+@pytest.mark.slow  # two processes, three short FSDP fits with an async save every step: about 25 s on 2 cores
+def test_async_fsdp_saves_stage_dtensor_shards_in_reused_host_buffers(tmp_path: Path) -> None:
+    script = harness.write_script(tmp_path, SCRIPT)
+    job = harness.run(harness.torchrun(script, str(tmp_path / "out")), tmp_path, timeout=240)
+    results = harness.results(tmp_path / "out", "async_staging", 2, job)
+    chunks_by_rank = []
+    for rank, result in enumerate(results):
+        saves = result["saves"]
+        assert len(saves) == result["stopped"]["steps"] == 18, f"rank {rank}: one async save per step"
+        first = saves[0]
+        sharded = [key for key, item in first.items() if item["live_is_dtensor"]]
+        # The module's 4 Linear layers (weight and bias) and AdamW's two moments of each: all DTensors.
+        assert len([k for k in sharded if k.startswith("/module/")]) == 8, sorted(first)
+        assert len([k for k in sharded if k.startswith("/optimizers/")]) == 16, sorted(first)
+        for key, item in first.items():
+            assert item["host_shard"] == item["live_is_dtensor"], f"rank {rank} {key}: {item}"
+            assert item["device"] == "cpu" and item["is_staging_buffer"], f"rank {rank} {key}: {item}"
+            assert not item["shares_live_memory"], f"rank {rank} {key}: the staged copy aliases the live state"
+            assert item["equals_live"], f"rank {rank} {key}: the staged copy differs from the live state"
+        for step, save in enumerate(saves[1:], start=2):
+            assert save.keys() == first.keys()
+            for key, item in save.items():
+                # The same buffer (object and memory) save after save, refilled with the state of this step.
+                assert (item["buffer_id"], item["ptr"]) == (first[key]["buffer_id"], first[key]["ptr"]), (
+                    f"rank {rank} save {step} {key}: a new buffer"
+                )
+                assert item["is_staging_buffer"] and item["equals_live"], f"rank {rank} save {step} {key}: {item}"
+        chunks_by_rank.append({key: item["chunks"] for key, item in first.items() if item["host_shard"]})
+        assert len(result["resumed_saves"]) == 6 and all(
+            item["host_shard"] == item["live_is_dtensor"] for save in result["resumed_saves"] for item in save.values()
+        )
+        full, resumed = result["full"], result["resumed"]
+        assert (result["stopped"]["steps"], resumed["steps"], full["steps"]) == (18, 24, 24)
+        harness.assert_params_equal(resumed["params"], full["params"], f"rank {rank}: resumed vs uninterrupted")
+        assert resumed["losses"] == full["losses"][18:], f"rank {rank}: the steps after the resume differ"
+    # Each rank staged its own half of every sharded tensor (row 0 and the rows after rank 0's).
+    for key, chunks in chunks_by_rank[0].items():
+        (offset0, sizes0), (offset1, sizes1) = chunks[0], chunks_by_rank[1][key][0]
+        assert offset0[0] == 0 and offset1[0] == sizes0[0] and sizes0[1:] == sizes1[1:], (
+            f"{key}: {chunks} / {chunks_by_rank[1][key]}"
+        )
+    # The files are those of a DTensor save: every module tensor stored as one chunk per rank.
+    metadata = ckpt.read_metadata(Path(results[0]["ckpt"])).state_dict_metadata
+    module = {key: item for key, item in metadata.items() if key.startswith("/module/")}
+    assert len(module) == 8 and all(len(item.chunks) == 2 for item in module.values()), module
+    assert all(item.properties.dtype == torch.float32 for item in module.values())
+    assert job.returncode == 0, harness.describe(job)
