@@ -31,14 +31,18 @@ def staging_buffer(staging: dict[str, Tensor], key: str, value: Tensor) -> Tenso
     CUDA is available, so the device-to-host copy runs at full speed without a pageable bounce."""
     buffer = staging.get(key)
     if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-        pin = value.device.type != "cpu" and torch.cuda.is_available()
-        buffer = staging[key] = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pin)
+        buffer = staging[key] = _host_buffer(value)
     return buffer
+
+
+def _host_buffer(value: Tensor) -> Tensor:
+    pin = value.device.type != "cpu" and torch.cuda.is_available()
+    return torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pin)
 
 
 def copy_into(staging: dict[str, Tensor] | None, key: str, value: Tensor) -> Tensor:
     """The copy of `value` (checkpoint key `key`) an async write reads: in ``staging[key]`` (see
-    `staging_buffer`) for a plain tensor, in the buffer of its local shard for a DTensor (a `HostShard`), a
+    `staging_buffer`) for a plain tensor, in a `HostShard` kept there for a DTensor (`stage_shard`), a
     fresh clone for any other tensor subclass or without `staging`.
 
     On CUDA the copies are asynchronous: synchronize before a writer reads them."""
@@ -49,10 +53,27 @@ def copy_into(staging: dict[str, Tensor] | None, key: str, value: Tensor) -> Ten
         # A DTensor (holds_dtensors imported its class): this process's shard.
         local = value.to_local()  # type: ignore[attr-defined]
         if type(local) is Tensor:  # not a wrapper of several shards, which DCP asks for shard by shard
-            buffer = staging_buffer(staging, key, local)
-            buffer.copy_(local, non_blocking=buffer.is_pinned())
-            return HostShard.of(buffer, _write_items(key, value))
+            return stage_shard(staging, key, value, local)
     return value.clone()
+
+
+def stage_shard(staging: dict[str, Tensor], key: str, value: Any, local: Tensor) -> HostShard:
+    """Copy DTensor `value`'s local shard `local` into ``staging[key]``, a `HostShard`: the one an earlier
+    save made when the DTensor is sharded the same way (global shape and stride, mesh, placements) and its
+    shard has the same shape and dtype, else a new one kept there. Its DCP write items are taken once, when
+    it is made, not at every save."""
+    sharding = (value.shape, value.stride(), value.device_mesh, tuple(value.placements))
+    shard = staging.get(key)
+    if not (
+        isinstance(shard, HostShard)
+        and shard.sharding == sharding
+        and shard.shape == local.shape
+        and shard.dtype == local.dtype
+    ):
+        shard = HostShard.of(_host_buffer(local), _write_items(key, value), sharding)
+        staging[key] = shard
+    shard.buffer.copy_(local, non_blocking=shard.buffer.is_pinned())
+    return shard
 
 
 def _write_items(key: str, value: Any) -> list[Any]:
@@ -66,19 +87,21 @@ def _write_items(key: str, value: Any) -> list[Any]:
 class HostShard(Tensor):
     """This process's shard of a DTensor, copied into a host buffer, as torch.distributed.checkpoint saves it.
 
-    The tensor is the host copy (its local shape, not the DTensor's global one). ``buffer`` is the staging
-    buffer itself (reused by the next save); ``write_items`` are the DTensor's own DCP write items (global
-    size, this shard's offsets, the tensor properties), so DCP writes the copy exactly where it writes the
-    DTensor's shard. Made with `HostShard.of`; only the checkpoint writer reads it.
+    The tensor is the host copy (its local shape, not the DTensor's global one). ``buffer`` is the same
+    memory as a plain tensor (what DCP writes, so the file names no ember class); ``write_items`` are the
+    DTensor's own DCP write items (global size, this shard's offsets, the tensor properties), so DCP writes
+    the copy exactly where it writes the DTensor's shard; ``sharding`` is what they were made for (global
+    shape and stride, mesh, placements). Made with `HostShard.of`, reused save after save (`stage_shard`).
     """
 
     buffer: Tensor
     write_items: list[Any]
+    sharding: tuple[Any, ...]
 
     @classmethod
-    def of(cls, buffer: Tensor, write_items: list[Any]) -> HostShard:
+    def of(cls, buffer: Tensor, write_items: list[Any], sharding: tuple[Any, ...] = ()) -> HostShard:
         shard = buffer.as_subclass(cls)
-        shard.buffer, shard.write_items = buffer, write_items
+        shard.buffer, shard.write_items, shard.sharding = buffer, write_items, sharding
         return shard
 
     def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:

@@ -1,12 +1,13 @@
 """Async FSDP2 saves stage each DTensor's local shard in a host buffer reused save after save (issue 34 item 5).
 
-The job (2 processes over gloo) runs `dist_workload.fit_shuffled` (AdamW, dropout, shuffled data) uninterrupted,
-then with an async checkpoint every step, stopped in its second epoch, then resumed from ``last``. Around
-every async snapshot of the stopped fit each rank records what was staged for each checkpoint key: its
-kind (a `HostShard` for a DTensor), device, the identity and address of its host buffer, whether that
-buffer is the manager's staging buffer, whether it shares memory with the live state, and whether it holds
-the live shard's values. On CPU "host" is where everything is; what shows a GPU run would keep no device
-copy is that the staged object is not a DTensor clone but the staging buffer, the same one every save.
+The job (2 processes over gloo) runs `dist_workload.fit_shuffled` (AdamW, dropout, shuffled data) uninterrupted
+with a synchronous save at step 18, then with an async checkpoint every step, stopped at step 18 (in its second
+epoch), then resumed from ``last``. Around every async snapshot each rank records, per checkpoint key, what was
+staged: its kind (a `HostShard` for a DTensor), device, the identities of the staged object and its buffer and
+the buffer's address, whether the manager's staging keeps that object, whether it shares memory with the live
+state, and whether it holds the live shard's values. On CPU "host" is where everything is; what shows that a
+GPU run keeps no device copy is that the staged object is not a DTensor clone but a host buffer of the
+manager's, the same one every save.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from pathlib import Path
 
 import dist_harness as harness
 import pytest
-import torch
 
 from ember import checkpoint as ckpt
 
@@ -60,7 +60,8 @@ def recording_gather(trainer, module, weights_only, copy, staging=None):
             "device": buffer.device.type,
             "buffer_id": id(buffer),
             "ptr": buffer.data_ptr(),
-            "is_staging_buffer": staging is not None and staging.get(key) is buffer,
+            "kept_in_staging": staging is not None and staging.get(key) is value,
+            "staged_id": id(value),
             "shares_live_memory": buffer.untyped_storage().data_ptr() in live_ptrs,
             "equals_live": torch.equal(buffer, _local(live[key])),
             "chunks": [(tuple(c.offsets), tuple(c.sizes)) for c in value.__create_chunk_list__()] if shard else None,
@@ -71,15 +72,20 @@ def recording_gather(trainer, module, weights_only, copy, staging=None):
 
 def job():
     root = out / "runs-staged"
-    full = W.summary(*W.fit_shuffled(W.fsdp(), out / "runs-full", max_epochs=2))
+    # A synchronous save of the live DTensors at step 18, for the async one to be compared with.
+    full = W.summary(*W.fit_shuffled(W.fsdp(), out / "runs-full", ckpt_every=18, max_epochs=2))
+    sync_ckpt = W._last_checkpoint(out / "runs-full" / "shuffled")
     registry.gather = recording_gather
     try:
         # Stopped in the middle of the second epoch (12 steps per epoch), then resumed from `last`.
-        stopped = W.summary(*W.fit_shuffled(W.fsdp(), root, ckpt_every=1, stop_at=18, async_save=True, max_epochs=2))
+        stopped = W.summary(
+            *W.fit_shuffled(W.fsdp(), root, ckpt_every=1, stop_at=18, keep=-1, async_save=True, max_epochs=2)
+        )
         stopped_saves = len(saves)
         torch.distributed.barrier()
+        async_ckpt = W._last_checkpoint(root / "shuffled")
         resumed = W.summary(
-            *W.fit_shuffled(W.fsdp(), root, ckpt_every=1, ckpt_path="last", async_save=True, max_epochs=2)
+            *W.fit_shuffled(W.fsdp(), root, ckpt_every=1, ckpt_path="last", keep=-1, async_save=True, max_epochs=2)
         )
     finally:
         registry.gather = original
@@ -87,7 +93,8 @@ def job():
         "full": full,
         "stopped": stopped,
         "resumed": resumed,
-        "ckpt": str(W._last_checkpoint(root / "shuffled")),
+        "sync_ckpt": str(sync_ckpt),
+        "async_ckpt": str(async_ckpt),
         "saves": saves[:stopped_saves],
         "resumed_saves": saves[stopped_saves:],
     }
@@ -113,17 +120,17 @@ def test_async_fsdp_saves_stage_dtensor_shards_in_reused_host_buffers(tmp_path: 
         assert len([k for k in sharded if k.startswith("/optimizers/")]) == 16, sorted(first)
         for key, item in first.items():
             assert item["host_shard"] == item["live_is_dtensor"], f"rank {rank} {key}: {item}"
-            assert item["device"] == "cpu" and item["is_staging_buffer"], f"rank {rank} {key}: {item}"
+            assert item["device"] == "cpu" and item["kept_in_staging"], f"rank {rank} {key}: {item}"
             assert not item["shares_live_memory"], f"rank {rank} {key}: the staged copy aliases the live state"
             assert item["equals_live"], f"rank {rank} {key}: the staged copy differs from the live state"
         for step, save in enumerate(saves[1:], start=2):
             assert save.keys() == first.keys()
             for key, item in save.items():
-                # The same buffer (object and memory) save after save, refilled with the state of this step.
-                assert (item["buffer_id"], item["ptr"]) == (first[key]["buffer_id"], first[key]["ptr"]), (
-                    f"rank {rank} save {step} {key}: a new buffer"
-                )
-                assert item["is_staging_buffer"] and item["equals_live"], f"rank {rank} save {step} {key}: {item}"
+                # The same staged object and buffer (object and memory) save after save, refilled with the state
+                # of this step.
+                same = ("staged_id", "buffer_id", "ptr")
+                assert [item[k] for k in same] == [first[key][k] for k in same], f"rank {rank} save {step} {key}"
+                assert item["kept_in_staging"] and item["equals_live"], f"rank {rank} save {step} {key}: {item}"
         chunks_by_rank.append({key: item["chunks"] for key, item in first.items() if item["host_shard"]})
         assert len(result["resumed_saves"]) == 6 and all(
             item["host_shard"] == item["live_is_dtensor"] for save in result["resumed_saves"] for item in save.values()
@@ -138,9 +145,14 @@ def test_async_fsdp_saves_stage_dtensor_shards_in_reused_host_buffers(tmp_path: 
         assert offset0[0] == 0 and offset1[0] == sizes0[0] and sizes0[1:] == sizes1[1:], (
             f"{key}: {chunks} / {chunks_by_rank[1][key]}"
         )
-    # The files are those of a DTensor save: every module tensor stored as one chunk per rank.
-    metadata = ckpt.read_metadata(Path(results[0]["ckpt"])).state_dict_metadata
-    module = {key: item for key, item in metadata.items() if key.startswith("/module/")}
-    assert len(module) == 8 and all(len(item.chunks) == 2 for item in module.values()), module
-    assert all(item.properties.dtype == torch.float32 for item in module.values())
+    # The files are those of a save of the live DTensors: the same entries (global sizes, one chunk per rank
+    # at the same offsets, the same properties) as the synchronous save of step 18.
+    sync_path, async_path = Path(results[0]["sync_ckpt"]), Path(results[0]["async_ckpt"])
+    assert sync_path.name == async_path.name == "epoch=1-step=18"
+    staged = ckpt.read_metadata(async_path).state_dict_metadata
+    direct = ckpt.read_metadata(sync_path).state_dict_metadata
+    tensors = [key for key in direct if key.startswith(("/module/", "/optimizers/"))]
+    assert len(tensors) > 24 and {key: staged.get(key) for key in tensors} == {key: direct[key] for key in tensors}
+    module = [direct[key] for key in tensors if key.startswith("/module/")]
+    assert len(module) == 8 and all(len(item.chunks) == 2 for item in module), module
     assert job.returncode == 0, harness.describe(job)
