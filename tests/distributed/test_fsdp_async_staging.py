@@ -100,15 +100,61 @@ def job():
     }
 
 
+def placements():
+    # DTensors as tensor parallelism and HSDP replicas leave them (replicated, sharded by columns): each staged,
+    # saved by DCP, compared with a save of the DTensors themselves and loaded back.
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from ember.checkpoint.staging import copy_into
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    live = {
+        "/replicated": distribute_tensor(torch.randn(5, 6), mesh, [Replicate()]),
+        "/columns": distribute_tensor(torch.randn(7, 3), mesh, [Shard(1)]),
+    }
+    staging = {}
+    staged = {key: copy_into(staging, key, value) for key, value in live.items()}
+    dcp.save(live, checkpoint_id=out / "direct")
+    dcp.save(staged, checkpoint_id=out / "staged")
+    loaded = {key: torch.zeros_like(value) for key, value in live.items()}
+    dcp.load(loaded, checkpoint_id=out / "staged")
+    metadata = {
+        name: dcp.FileSystemReader(out / name).read_metadata().state_dict_metadata for name in ("direct", "staged")
+    }
+    return {
+        "host_shards": [isinstance(value, HostShard) for value in staged.values()],
+        "same_metadata": metadata["direct"] == metadata["staged"],
+        "chunks": {key: len(item.chunks) for key, item in metadata["staged"].items()},
+        "file_sizes": {name: sorted(os.path.getsize(f) for f in (out / name).glob("*.distcp")) for name in metadata},
+        "loaded": all(torch.equal(loaded[key].full_tensor(), live[key].full_tensor()) for key in live),
+    }
+
+
 W.section(out, "async_staging", job)
+W.section(out, "placements", placements)
 """
 
 
+@pytest.fixture(scope="module")
+def staging_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, harness.Finished]:
+    """The job, run once for the tests of this module: (its output folder, how it ended)."""
+    directory = tmp_path_factory.mktemp("staging_job")
+    script = harness.write_script(directory, SCRIPT)
+    job = harness.run(harness.torchrun(script, str(directory / "out")), directory, timeout=240)
+    return directory / "out", job
+
+
 @pytest.mark.slow  # two processes, three short FSDP fits with an async save every step: about 25 s on 2 cores
-def test_async_fsdp_saves_stage_dtensor_shards_in_reused_host_buffers(tmp_path: Path) -> None:
-    script = harness.write_script(tmp_path, SCRIPT)
-    job = harness.run(harness.torchrun(script, str(tmp_path / "out")), tmp_path, timeout=240)
-    results = harness.results(tmp_path / "out", "async_staging", 2, job)
+def test_async_fsdp_saves_stage_dtensor_shards_in_reused_host_buffers(
+    staging_job: tuple[Path, harness.Finished],
+) -> None:
+    out, job = staging_job
+    results = harness.results(out, "async_staging", 2, job)
     chunks_by_rank = []
     for rank, result in enumerate(results):
         saves = result["saves"]
@@ -156,3 +202,16 @@ def test_async_fsdp_saves_stage_dtensor_shards_in_reused_host_buffers(tmp_path: 
     module = [direct[key] for key in tensors if key.startswith("/module/")]
     assert len(module) == 8 and all(len(item.chunks) == 2 for item in module), module
     assert job.returncode == 0, harness.describe(job)
+
+
+@pytest.mark.slow  # the job above (its last second)
+def test_replicated_and_column_sharded_dtensors_stage_into_the_files_dcp_writes_for_them(
+    staging_job: tuple[Path, harness.Finished],
+) -> None:
+    out, job = staging_job
+    for rank, result in enumerate(harness.results(out, "placements", 2, job)):
+        assert result["host_shards"] == [True, True], f"rank {rank}"
+        assert result["same_metadata"] and result["loaded"], f"rank {rank}: {result}"
+        # A replicated tensor is one chunk written once (by rank 0); the column shards are two chunks.
+        assert result["chunks"] == {"/replicated": 1, "/columns": 2}, f"rank {rank}"
+        assert result["file_sizes"]["staged"] == result["file_sizes"]["direct"], f"rank {rank}: {result}"
