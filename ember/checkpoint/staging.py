@@ -67,8 +67,8 @@ def stage_shard(staging: dict[str, Tensor], key: str, value: Any, local: Tensor)
     if not (
         isinstance(shard, HostShard)
         and shard.sharding == sharding
-        and shard.shape == local.shape
-        and shard.dtype == local.dtype
+        and shard.buffer.shape == local.shape  # the plain tensor: no __torch_function__ of the subclass
+        and shard.buffer.dtype == local.dtype
     ):
         shard = HostShard.of(_host_buffer(local), _write_items(key, value), sharding)
         staging[key] = shard
