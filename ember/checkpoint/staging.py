@@ -30,7 +30,7 @@ def staging_buffer(staging: dict[str, Tensor], key: str, value: Tensor) -> Tenso
     (the same tensor save after save), else a new one kept there. A device tensor's buffer is pinned when
     CUDA is available, so the device-to-host copy runs at full speed without a pageable bounce."""
     buffer = staging.get(key)
-    if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+    if type(buffer) is not Tensor or buffer.shape != value.shape or buffer.dtype != value.dtype:  # or a HostShard
         buffer = staging[key] = _host_buffer(value)
     return buffer
 

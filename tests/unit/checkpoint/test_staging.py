@@ -133,3 +133,10 @@ def test_a_shard_is_staged_in_the_same_host_shard_every_save_until_its_sharding_
     assert other is not first and staging["/module/w"] is other and resharded.asked == 1
     bigger = stage_shard(staging, "/module/w", resharded, torch.zeros(3, 3))
     assert bigger is not other and bigger.shape == (3, 3) and resharded.asked == 2
+
+
+def test_a_key_staged_as_a_shard_and_then_as_a_plain_tensor_gets_a_plain_buffer() -> None:
+    staging: dict[str, torch.Tensor] = {}
+    stage_shard(staging, "k", _StandInDTensor(("Shard(0)",)), torch.zeros(2, 3))
+    copied = copy_into(staging, "k", torch.ones(2, 3))
+    assert type(copied) is torch.Tensor and staging["k"] is copied and torch.equal(copied, torch.ones(2, 3))
