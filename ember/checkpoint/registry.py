@@ -23,6 +23,7 @@ from ember import checkpoint as ckpt
 from ember.checkpoint import data_position, writing
 from ember.checkpoint.hparams import for_checkpoint
 from ember.checkpoint.resume import capture_loader_generators, capture_rng
+from ember.checkpoint.staging import copy_into
 from ember.version import __version__
 
 if TYPE_CHECKING:
@@ -256,9 +257,10 @@ def gather(
     """Collect the registry; with `copy`, tensors are copied so training may go on while it is written.
 
     The copies go into `staging`: host (CPU) buffers of an earlier snapshot whose write has finished, reused
-    when key, shape and dtype match, else allocated and kept there (`staging_buffer`). A periodic async save
-    then costs the loop one copy, not an allocation that touches fresh pages, and a GPU run keeps no second
-    copy of its weights and optimizer state in device memory between saves.
+    when key, shape and dtype match, else allocated and kept there (`ember.checkpoint.staging`). A periodic
+    async save then costs the loop one copy, not an allocation that touches fresh pages, and a GPU run keeps
+    no second copy of its weights and optimizer state in device memory between saves. Sharded state (FSDP2,
+    tensor parallel) is staged shard by shard: each DTensor's local shard in a host buffer (a `HostShard`).
     With `on_cpu` and no `staging`, the copies are made in host memory too (a rewind's snapshot: device
     memory stays the model's). With `only`, just those entries are gathered, without the hyperparameters
     and config (a rewind's snapshot: what `restore_snapshot` puts back).
@@ -281,7 +283,7 @@ def gather(
     epoch_start = trainer.fit_loop.epoch_start_state if trainer.fit_loop is not None else None
     rank_state = {"rng": capture_rng(), "epoch_start": epoch_start, **data_state(trainer)}
     if copy:
-        tensors = {k: _copy_into(staging, k, v.detach(), on_cpu) for k, v in tensors.items()}
+        tensors = {k: copy_into(staging, k, v.detach(), on_cpu) for k, v in tensors.items()}
         if staging is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the copies into pinned memory ran asynchronously; the writer reads them
         meta = copy_module.deepcopy(meta)
@@ -289,24 +291,6 @@ def gather(
     strategy = trainer.strategy
     group = getattr(strategy, "checkpoint_group", None)
     return Snapshot(meta, tensors, rank_state, strategy.global_rank, strategy.world_size, group)
-
-
-def _copy_into(staging: dict[str, Tensor] | None, key: str, value: Tensor, on_cpu: bool = False) -> Tensor:
-    if staging is None or type(value) is not torch.Tensor:  # e.g. FSDP's DTensors: a fresh clone
-        return value.to("cpu", copy=True) if on_cpu and type(value) is torch.Tensor else value.clone()
-    buffer = staging_buffer(staging, key, value)
-    return buffer.copy_(value, non_blocking=buffer.is_pinned())
-
-
-def staging_buffer(staging: dict[str, Tensor], key: str, value: Tensor) -> Tensor:
-    """The host buffer an async snapshot copies `value` into: ``staging[key]`` when its shape and dtype match
-    (the same tensor save after save), else a new one kept there. A device tensor's buffer is pinned when
-    CUDA is available, so the device-to-host copy runs at full speed without a pageable bounce."""
-    buffer = staging.get(key)
-    if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-        pin = value.device.type != "cpu" and torch.cuda.is_available()
-        buffer = staging[key] = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pin)
-    return buffer
 
 
 def stage(path: Path, snapshot: Snapshot, set_last: bool = False) -> ckpt.StagedCheckpoint:
