@@ -84,6 +84,9 @@ def open_store(url: str, what: str = "URL") -> tuple[Any, str]:
         install = f"pip install {package}" if package else f"install the fsspec package for {protocol}://"
         reason = _first_line(exc)
         raise CheckpointError(f"{what}={redact(url)}: cannot open {protocol}:// ({reason}); {install}") from None
+    # fsspec hands out one cached filesystem per store, with the listings it has seen: what other processes
+    # wrote since would be missing from them, so each opening starts from the store as it is now.
+    fs.invalidate_cache()
     return fs, str(path)
 
 

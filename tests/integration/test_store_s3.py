@@ -234,6 +234,7 @@ def _kill_and_resume(tmp_path: Path, zygote: Zygote, bucket: str) -> None:
             continue
         assert code == -signal.SIGKILL, (tmp_path / "tmp" / "fits.log").read_text()[-3000:]
         kills += 1
+        fs.invalidate_cache()  # the fit that was killed wrote from another process
         partial_seen += _partial(fs, root) > 0
         if manifest.newest(fs, root, url) is not None:  # what a reader trusts after this kill loads
             local = manifest.fetch(url + "/last", fs, root + "/last", tmp_path / f"check-{kills}")
@@ -244,6 +245,7 @@ def _kill_and_resume(tmp_path: Path, zygote: Zygote, bucket: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     assert kills >= 30
     assert partial_seen >= 1  # some kills landed inside an upload (files written, manifest not yet)
+    fs.invalidate_cache()  # the final fit wrote from another process: list the store as it is now
     for key in fs.find(bucket):  # nothing secret in any object on the store
         data = fs.cat_file(key)
         assert SECRET.encode() not in data and KEY_ID.encode() not in data, key
