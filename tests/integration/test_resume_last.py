@@ -150,3 +150,19 @@ def test_ctrl_c_after_a_checkpoint_names_the_run_and_checkpoint_resume_last_cont
     )
     assert cli("fit", "-c", "net.yaml", "trainer.max_epochs=2", "--resume", "last") == 0
     assert "run dir runs/net/version_0" in capsys.readouterr().out
+
+
+def test_a_run_directory_without_a_checkpoint_is_named_as_one(
+    project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fit stopped before its first checkpoint leaves a run directory with no ``checkpoints/`` folder; given as
+    ``--resume``, it was read as a checkpoint and refused as 'incomplete: .metadata is missing'."""
+    assert cli("fit", "-c", "net.yaml", "trainer.max_epochs=3", f"trainer.callbacks=[{SAVER}, {STOP_AT_1}]") == 130
+    assert not (project / "runs/net/version_0/checkpoints").exists()
+    capsys.readouterr()
+
+    assert cli("fit", "-c", "net.yaml", "--resume", "runs/net/version_0") == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "ember: error: runs/net/version_0 is a run directory without a complete checkpoint; nothing to load from it"
+    )
+    assert sorted(p.name for p in (project / "runs" / "net").iterdir()) == ["version_0"]
