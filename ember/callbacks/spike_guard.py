@@ -162,8 +162,8 @@ class SpikeGuard(Callback):
             self._steps.append(step + 1 if trainer.progress.window_has_grads else step)
         if not self._steps or self._steps[-1] != step:
             return  # no step ended here
-        if step % self.check_every_n_steps and not trainer.epoch_plan.is_last(batch_idx):
-            return  # not a checking step (the epoch's last step is one: a fit may end with it)
+        if step % self.check_every_n_steps and not trainer.epoch_plan.is_last(batch_idx) and step != trainer.max_steps:
+            return  # not a checking step (the epoch's last step and max_steps are: a fit may end with them)
         if step == self._lr_until:
             self._scale_lr(trainer, 1 / self.lr_scale)
             self._lr_until = -1

@@ -106,6 +106,18 @@ def test_max_rewinds_zero_names_the_one_spike(tmp_path: Path) -> None:
     assert str(raised.value).startswith("SpikeGuard: the loss spiked at step 9; max_rewinds=0. The fit went back")
 
 
+def test_a_spike_in_the_last_steps_of_a_fit_ending_at_max_steps_is_caught(tmp_path: Path) -> None:
+    """max_steps=11 with a check every 2 steps: the fit's last step is not a checking step, so a spike there was
+    never read and the fit ended with the poisoned parameters."""
+    ids = batch_ids(N, BATCH)
+    spiky = guard()
+    module = Regressor(lr=0.02)
+    trainer(tmp_path, spiky, max_steps=11).fit(module, loader(PoisonData(N, frozenset(ids[10])), BATCH))
+    assert [(r["spike_step"], r["restored_step"], r["skipped_batches"]) for r in spiky.rewinds] == [(11, 10, [[0, 10]])]
+    assert module.trainer.global_step == 11  # went back to step 10 and trained one more step on the next batch
+    assert max(float(p.detach().abs().max()) for p in module.parameters()) < 100
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="a finite spike during the warm-up is not a spike, and the check after it renews the snapshot, so the "
