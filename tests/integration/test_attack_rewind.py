@@ -98,6 +98,49 @@ def test_iterable_data_that_cannot_go_back_is_refused_before_training(tmp_path: 
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
 
 
+class ResumableStream(Stream):
+    """An iterable dataset that saves and restores its position (state_dict / load_state_dict)."""
+
+    def __init__(self, data: PoisonData) -> None:
+        super().__init__(data)
+        self.position = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        while self.position < len(self.data):
+            self.position += 1
+            yield self.data[self.position - 1]
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+class FirstInputs(ember.Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float]] = []
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.append((batch_idx, float(batch[0][0, 0])))
+
+
+def test_a_rewind_over_iterable_data_that_can_go_back_reads_and_drops_the_left_out_batches(tmp_path: Path) -> None:
+    """The end of such an epoch compared its position with an unknown length (inf) as an int: OverflowError."""
+    data = PoisonData(N, frozenset(range(36, 40)))  # the stream's batch 9
+    spiky, inputs = guard(), FirstInputs()
+    fit = trainer(tmp_path, spiky, inputs)
+    fit.fit(Regressor(lr=0.02), DataLoader(ResumableStream(data), batch_size=BATCH))
+    assert [(r["spike_step"], r["restored_step"], r["skipped_batches"]) for r in spiky.rewinds] == [
+        (10, 8, [[0, 8], [0, 9]])
+    ]
+    assert fit.global_step == N // BATCH - 2
+    first_of = {i: float(data[i * BATCH][0][0]) for i in range(N // BATCH)}
+    after = inputs.seen[10:]  # batches 0-9, then the epoch reopened at batch 8 with 8 and 9 left out
+    assert after == [(i, first_of[i]) for i in range(10, N // BATCH)]
+
+
 def test_max_rewinds_zero_names_the_one_spike(tmp_path: Path) -> None:
     ids = batch_ids(N, BATCH)
     fit = trainer(tmp_path, guard(max_rewinds=0))
