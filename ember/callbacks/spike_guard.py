@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch.utils.data import IterableDataset
 
 from ember.callbacks.callback import Callback
 
@@ -77,24 +78,31 @@ class SpikeGuard(Callback):
         max_rewinds: int = 3,
         rewind_window_steps: int = 1000,
     ) -> None:
-        _check(factor > 1 and math.isfinite(factor), f"factor={factor!r}: use a finite number above 1, e.g. 4.0")
-        for name, value in (("window", window), ("check_every_n_steps", check_every_n_steps)):
-            _check(isinstance(value, int) and value >= 1, f"{name}={value!r}: use a whole number >= 1")
         _check(
-            isinstance(snapshot_every_n_steps, int)
+            _real(factor) and factor > 1 and math.isfinite(factor),
+            f"factor={factor!r}: use a finite number above 1, e.g. 4.0",
+        )
+        for name, value in (("window", window), ("check_every_n_steps", check_every_n_steps)):
+            _check(_whole(value) and value >= 1, f"{name}={value!r}: use a whole number >= 1")
+        _check(
+            _whole(snapshot_every_n_steps)
             and snapshot_every_n_steps >= 1
             and snapshot_every_n_steps % check_every_n_steps == 0,
             f"snapshot_every_n_steps={snapshot_every_n_steps!r}: use a multiple of check_every_n_steps "
             f"({check_every_n_steps}); a snapshot is taken right after a clean check",
         )
         for name, value in (
+            ("warmup_steps", 0 if warmup_steps is None else warmup_steps),
             ("skip_after", skip_after),
             ("lr_scale_steps", lr_scale_steps),
             ("max_rewinds", max_rewinds),
             ("rewind_window_steps", rewind_window_steps),
         ):
-            _check(isinstance(value, int) and value >= 0, f"{name}={value!r}: use a whole number >= 0")
-        _check(lr_scale > 0 and math.isfinite(lr_scale), f"lr_scale={lr_scale!r}: use a positive number, e.g. 0.5")
+            _check(_whole(value) and value >= 0, f"{name}={value!r}: use a whole number >= 0")
+        _check(
+            _real(lr_scale) and lr_scale > 0 and math.isfinite(lr_scale),
+            f"lr_scale={lr_scale!r}: use a positive number, e.g. 0.5",
+        )
         self.factor, self.window = float(factor), window
         self.warmup_steps = window if warmup_steps is None else warmup_steps
         self.check_every_n_steps, self.snapshot_every_n_steps = check_every_n_steps, snapshot_every_n_steps
@@ -123,6 +131,21 @@ class SpikeGuard(Callback):
         if self._snapshot is None and trainer.progress.batch_idx == 0 and trainer.global_step == 0:
             self._take_snapshot(trainer)
 
+    def on_train_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Refuse iterable data that cannot go back to a snapshot's position (it would leave out the wrong batches)."""
+        loader = trainer.train_dataloader
+        dataset = getattr(loader, "dataset", None)
+        if (
+            isinstance(dataset, IterableDataset)
+            and not callable(getattr(loader, "state_dict", None))
+            and not callable(getattr(dataset, "state_dict", None))
+        ):
+            raise ValueError(
+                f"SpikeGuard: the training data is an IterableDataset ({type(dataset).__qualname__}) without "
+                "state_dict()/load_state_dict(), so a rewind cannot go back to its snapshot's position; give the "
+                "dataset state_dict()/load_state_dict() or use torchdata's StatefulDataLoader (docs/checkpoints.md)"
+            )
+
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -130,12 +153,17 @@ class SpikeGuard(Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else None
         step = trainer.progress.global_step
         if loss is not None:
+            if not isinstance(loss, Tensor) or loss.ndim:
+                raise ValueError(
+                    f"SpikeGuard: training_step's 'loss' is {_describe(loss)}; the guard watches one scalar loss "
+                    "tensor per batch: return the batch's mean loss as 'loss' (e.g. loss.mean())"
+                )
             self._losses.append(loss)
             self._steps.append(step + 1 if trainer.progress.window_has_grads else step)
         if not self._steps or self._steps[-1] != step:
             return  # no step ended here
-        if step % self.check_every_n_steps and not trainer.epoch_plan.is_last(batch_idx):
-            return  # not a checking step (the epoch's last step is one: a fit may end with it)
+        if step % self.check_every_n_steps and not trainer.epoch_plan.is_last(batch_idx) and step != trainer.max_steps:
+            return  # not a checking step (the epoch's last step and max_steps are: a fit may end with them)
         if step == self._lr_until:
             self._scale_lr(trainer, 1 / self.lr_scale)
             self._lr_until = -1
@@ -179,9 +207,11 @@ class SpikeGuard(Callback):
         recent = [r for r in self.rewinds if r["spike_step"] > spike_step - self.rewind_window_steps]
         stop = None
         if len(recent) >= self.max_rewinds:
+            spikes = [*(str(r["spike_step"]) for r in recent), str(spike_step)]
+            times = f"{len(spikes)} times within {self.rewind_window_steps} steps (steps" if recent else "at step"
             stop = (
-                f"SpikeGuard: the loss spiked {len(recent) + 1} times within {self.rewind_window_steps} steps (steps "
-                f"{', '.join(str(r['spike_step']) for r in recent)}, {spike_step}); max_rewinds={self.max_rewinds}. "
+                f"SpikeGuard: the loss spiked {times} {', '.join(spikes)}{')' if recent else ''}; "
+                f"max_rewinds={self.max_rewinds}. "
                 f"The fit went back to step {restored_step} and saved it as 'last': check the data and the learning "
                 "rate, then resume with ckpt_path='last'"
             )
@@ -245,6 +275,20 @@ class SpikeGuard(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rewinds = [dict(r) for r in state_dict.get("rewinds", [])]
         self._lr_until = int(state_dict.get("lr_until", -1))
+
+
+def _describe(loss: Any) -> str:
+    if isinstance(loss, Tensor):
+        return f"a tensor of shape {tuple(loss.shape)}"
+    return f"a {type(loss).__qualname__}"
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -21,7 +21,7 @@ from ember.checkpoint.files import is_plain_name, read_regular
 from ember.checkpoint.format import LAST_FILE, META_FILE, CheckpointError
 from ember.checkpoint.manifest import fetch_checkpoint
 from ember.checkpoint.reading import check_complete, read_meta
-from ember.checkpoint.run_status import read_status
+from ember.checkpoint.run_status import STATUS_FILE, read_status
 from ember.checkpoint.store import is_url, redact
 
 #: The folder of a run directory that ``ModelCheckpoint`` writes to by default.
@@ -359,6 +359,31 @@ def _continue_run(run_dir: Path, stage: str) -> tuple[Path, Path | None, str]:
     return found, run_dir, f"{stage}: loading {found} ({describe(found)})"
 
 
+def _is_run_dir(folder: Path) -> bool:
+    """A run directory: it has a checkpoint folder, or (a run stopped before its first checkpoint) a status record."""
+    return (folder / CHECKPOINT_SUBDIR).is_dir() or (folder / STATUS_FILE).is_file()
+
+
+def _refuse_a_folder_of_many(given: Path) -> None:
+    """A folder of runs (``runs/net``) or of checkpoints (``<run dir>/checkpoints``) is not one checkpoint: say
+    what to give instead of reading it as an incomplete checkpoint."""
+    if not given.is_dir() or (given / META_FILE).exists():
+        return
+    runs = versions_newest_first(given)
+    if runs:
+        names = ", ".join(v.name for v in reversed(runs))
+        raise CheckpointError(
+            f"{given} is a folder of runs ({names}), not a checkpoint: give a run directory ({runs[0]}), a "
+            "checkpoint, or 'last'"
+        )
+    if (given / LAST_FILE).is_file():
+        run = f" or the run directory ({given.parent})" if given.name == CHECKPOINT_SUBDIR else ""
+        raise CheckpointError(
+            f"{given} is a folder of checkpoints, not a checkpoint: give one of them, its 'last' "
+            f"({given / LAST_FILE}){run}"
+        )
+
+
 def _across_runs(which: str, run_dir: Path | None, run_root: Path, stage: str) -> str:
     """For ``last``/``best``: which run was chosen when the run name has several, and how to choose another."""
     versions = versions_newest_first(run_root)
@@ -433,8 +458,9 @@ def resolve_ckpt_path(
         across = "" if run is not None or known_best else _across_runs("best", run_dir, run_root, stage)
         return path, run_dir, f"{stage}: loading the best checkpoint {path} ({describe(path)}){across}"
     given = Path(ckpt_path)
-    if given.is_dir() and not (given / META_FILE).exists() and (given / CHECKPOINT_SUBDIR).is_dir():
+    if given.is_dir() and not (given / META_FILE).exists() and _is_run_dir(given):
         return _continue_run(given, stage)
+    _refuse_a_folder_of_many(given)
     path = resolve_path(given)
     if stage == "fit":
         return path, None, f"resuming from {path} ({describe(path)}) in a new run"

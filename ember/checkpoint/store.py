@@ -78,7 +78,8 @@ def open_store(url: str, what: str = "URL") -> tuple[Any, str]:
     except ImportError:
         raise CheckpointError(f"{what}={redact(url)}: URLs need fsspec; pip install fsspec") from None
     try:
-        fs, path = fsspec.core.url_to_fs(url)
+        # A local folder, unlike an object store, needs its parent folders made before a file is written.
+        fs, path = fsspec.core.url_to_fs(url, **({"auto_mkdir": True} if protocol in ("file", "local") else {}))
     except (ImportError, ValueError) as exc:
         package = _PACKAGES.get(protocol)
         install = f"pip install {package}" if package else f"install the fsspec package for {protocol}://"

@@ -157,6 +157,24 @@ def check(loaded: LoadedConfig, config: dict[str, Any], command: str | None = No
     elif not isinstance(trainer["strategy"], str):
         raise loaded.error("trainer.strategy", f"expected a name or a _target_ section, got {trainer['strategy']!r}")
     _check_optimizer_sections(loaded, config, TrainingModule)
+    _check_store_urls(loaded, trainer)
+
+
+def _check_store_urls(loaded: LoadedConfig, trainer: dict[str, Any]) -> None:
+    """Refuse a store URL that carries credentials or a query before anything prints or builds it."""
+    from ember.checkpoint.format import CheckpointError
+    from ember.checkpoint.store import check_url, is_url
+
+    urls = [("trainer.default_root_dir", trainer.get("default_root_dir"))]
+    for i, spec in enumerate(trainer["callbacks"] or []):
+        if isinstance(spec, dict):
+            urls.append((f"trainer.callbacks[{i}].dirpath", spec.get("dirpath")))
+    for key, value in urls:
+        if isinstance(value, str) and is_url(value):
+            try:
+                check_url(value, key.rsplit(".", 1)[-1])
+            except CheckpointError as exc:
+                raise loaded.error(key, str(exc)) from None
 
 
 def _check_optimizer_sections(loaded: LoadedConfig, config: dict[str, Any], base: type) -> None:

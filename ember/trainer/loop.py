@@ -355,7 +355,7 @@ class FitLoop:
             return
         if (
             drop
-            and progress.batch_idx < plan.num_batches
+            and progress.batch_idx < plan.num_batches < math.inf  # an iterable of unknown length just ended
             and drop.issuperset(range(progress.batch_idx, int(plan.num_batches)))
         ):
             progress.batch_idx = int(plan.num_batches)  # the epoch's last batches were left out: it is done

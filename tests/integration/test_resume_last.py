@@ -150,3 +150,38 @@ def test_ctrl_c_after_a_checkpoint_names_the_run_and_checkpoint_resume_last_cont
     )
     assert cli("fit", "-c", "net.yaml", "trainer.max_epochs=2", "--resume", "last") == 0
     assert "run dir runs/net/version_0" in capsys.readouterr().out
+
+
+def test_a_run_directory_without_a_checkpoint_is_named_as_one(
+    project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fit stopped before its first checkpoint leaves a run directory with no ``checkpoints/`` folder; given as
+    ``--resume``, it was read as a checkpoint and refused as 'incomplete: .metadata is missing'."""
+    assert cli("fit", "-c", "net.yaml", "trainer.max_epochs=3", f"trainer.callbacks=[{SAVER}, {STOP_AT_1}]") == 130
+    assert not (project / "runs/net/version_0/checkpoints").exists()
+    capsys.readouterr()
+
+    assert cli("fit", "-c", "net.yaml", "--resume", "runs/net/version_0") == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "ember: error: runs/net/version_0 is a run directory without a complete checkpoint; nothing to load from it"
+    )
+    assert sorted(p.name for p in (project / "runs" / "net").iterdir()) == ["version_0"]
+
+
+def test_a_folder_of_runs_or_of_checkpoints_given_as_resume_says_what_to_give(
+    project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both were read as one checkpoint and refused as 'incomplete: .metadata is missing'."""
+    assert cli("fit", "-c", "net.yaml") == 0
+    capsys.readouterr()
+    assert cli("fit", "-c", "net.yaml", "--resume", "runs/net") == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "ember: error: runs/net is a folder of runs (version_0), not a checkpoint: give a run directory "
+        "(runs/net/version_0), a checkpoint, or 'last'"
+    )
+    assert cli("fit", "-c", "net.yaml", "--resume", "runs/net/version_0/checkpoints") == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "ember: error: runs/net/version_0/checkpoints is a folder of checkpoints, not a checkpoint: give one of "
+        "them, its 'last' (runs/net/version_0/checkpoints/last) or the run directory (runs/net/version_0)"
+    )
+    assert sorted(p.name for p in (project / "runs" / "net").iterdir()) == ["version_0"]

@@ -293,3 +293,51 @@ def test_a_root_on_a_store_nothing_can_open_fails_in_one_line_before_writing_any
         _fit("nosuch://b/runs", 1)
     assert len(str(info.value).splitlines()) == 1 and "install" in str(info.value)
     assert not cache.exists() and list(Path.cwd().iterdir()) == []
+
+
+def test_a_root_on_a_file_url_whose_folders_do_not_exist_yet(tmp_path: Path) -> None:
+    """fsspec's local filesystem does not make parent folders unless asked, unlike an object store: every run on a
+    ``file://`` root failed to claim its version ('cannot create a run ... FileNotFoundError')."""
+    root = (tmp_path / "store" / "runs").as_uri()
+    first = _fit(root, 3)
+    assert first.run_url == f"{root}/tiny/version_0"
+    assert (tmp_path / "store/runs/tiny/version_0/checkpoints/last").read_text().strip() == "epoch=0-step=3"
+    again = _fit(root, 5, ckpt_path="last")
+    assert again.run_url == first.run_url and again.global_step == 5
+    saver = ember.callbacks.ModelCheckpoint(dirpath=(tmp_path / "ck" / "deep").as_uri(), every_n_train_steps=2)
+    _fit(tmp_path / "local", 2, callbacks=[saver])
+    assert (tmp_path / "ck/deep/last").read_text().strip() == "epoch=0-step=2"
+
+
+STOP_AT_1 = """\
+import ember
+
+
+class CtrlCAt(ember.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == 1:
+            raise KeyboardInterrupt
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="on a store, --resume last takes the newest version with a committed checkpoint (run_store.newest_on_store) "
+    "and silently extends an older run when the newest fit stopped before its first checkpoint, where docs/cli.md "
+    "promises a refusal (exit 2) naming the command that continues the older run; on a store there is no such "
+    "command yet (a checkpoint URL starts a new run, and fit has no --run), so the refusal needs a design first",
+)
+def test_cli_resume_last_on_the_store_refuses_to_extend_an_older_run(
+    project: Path, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (project.parent / "my_project" / "ctrl_c.py").write_text(STOP_AT_1)
+    root = f"trainer.default_root_dir={url}"
+    assert main(["fit", "-c", str(project), root]) == 0
+    stop = "trainer.callbacks=[{_target_: my_project.ctrl_c.CtrlCAt}]"
+    assert main(["fit", "-c", str(project), root, stop]) == 130
+    assert "net/version_1 has no checkpoint yet, so there is nothing to resume" in capsys.readouterr().err
+    before = _store_files(f"{url}/net/version_0")
+
+    assert main(["fit", "-c", str(project), root, "trainer.max_steps=9", "--resume", "last"]) == 2
+    assert "the newest run" in capsys.readouterr().err.splitlines()[-1]
+    assert _store_files(f"{url}/net/version_0") == before  # version_0 not extended

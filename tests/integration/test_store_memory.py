@@ -186,6 +186,23 @@ def test_cli_url_root_dir_with_credentials_exits_2_in_one_line(
     assert not (Path.cwd() / "s3:").exists()
 
 
+@pytest.mark.parametrize(
+    "override",
+    [
+        "trainer.default_root_dir=s3://AKID:s3cret@bucket/runs",
+        "trainer.callbacks=[{_target_: ember.callbacks.ModelCheckpoint, dirpath: 's3://AKID:s3cret@bucket/ck'}]",
+    ],
+)
+def test_cli_print_config_refuses_a_url_with_credentials_without_showing_them(
+    project: Path, override: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--print-config checks the config but built nothing, so it printed the secret and exited 0."""
+    assert main(["fit", "-c", str(project), override, "--print-config"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "s3cret" not in err and "AKID" not in err
+    assert err.strip().count("\n") == 0 and "credentials or query parameters in a URL are not accepted" in err
+
+
 def test_cli_fit_to_the_store_then_resume_and_test_from_urls(
     project: Path, url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

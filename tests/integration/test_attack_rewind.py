@@ -1,0 +1,175 @@
+"""SpikeGuard at its edges: settings of the wrong type, a loss that is not one scalar, iterable data that cannot go
+back to a snapshot, the stop message of ``max_rewinds=0``, and a spike before the warm-up ends (docs/rewind.md)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exactness"))
+from rewind_workload import PoisonData, Regressor, batch_ids, loader
+
+import ember
+from ember.callbacks import SpikeGuard
+from ember.trainer.rewind import TooManyRewinds
+
+QUIET: dict[str, Any] = dict(
+    logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, max_epochs=1
+)
+N, BATCH = 24 * 4, 4
+
+
+def guard(**options: Any) -> SpikeGuard:
+    return SpikeGuard(**{"factor": 50, "window": 4, "warmup_steps": 2, "check_every_n_steps": 2,
+                         "snapshot_every_n_steps": 2, **options})  # fmt: skip
+
+
+def trainer(root: Path, *callbacks: Any, **options: Any) -> ember.Trainer:
+    return ember.Trainer(default_root_dir=str(root), callbacks=list(callbacks), **{**QUIET, **options})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"factor": "4"}, "factor='4': use a finite number above 1"),
+        ({"factor": None}, "factor=None: use a finite number above 1"),
+        ({"lr_scale": "0.5"}, "lr_scale='0.5': use a positive number"),
+        ({"window": True}, "window=True: use a whole number >= 1"),
+        ({"warmup_steps": -1}, "warmup_steps=-1: use a whole number >= 0"),
+        ({"warmup_steps": "x"}, "warmup_steps='x': use a whole number >= 0"),
+        ({"check_every_n_steps": 2.0}, "check_every_n_steps=2.0: use a whole number >= 1"),
+    ],
+)
+def test_settings_of_the_wrong_type_are_one_line_errors(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=f"^SpikeGuard: {message}") as raised:
+        SpikeGuard(**kwargs)
+    assert "\n" not in str(raised.value)
+
+
+class PerSampleLoss(Regressor):
+    """Manual optimization whose output's 'loss' is the per-sample loss (any output is allowed there)."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.02)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        optimizer = self.optimizers()
+        x, y = batch
+        losses = torch.nn.functional.mse_loss(self.model(x), y, reduction="none").mean(1)
+        optimizer.zero_grad()
+        self.manual_backward(losses.mean())
+        optimizer.step()
+        return {"loss": losses.detach()}
+
+
+def test_a_loss_that_is_not_one_scalar_is_refused_at_the_first_batch(tmp_path: Path) -> None:
+    fit = trainer(tmp_path, guard())
+    with pytest.raises(ValueError, match=r"^SpikeGuard: training_step's 'loss' is a tensor of shape \(4,\);.*mean"):
+        fit.fit(PerSampleLoss(), loader(PoisonData(N), BATCH))
+    assert fit.global_step == 1  # refused at once, not at the first check, with a TypeError from deep inside
+
+
+class Stream(IterableDataset[Any]):
+    """An iterable dataset that cannot report or restore its position."""
+
+    def __init__(self, data: PoisonData) -> None:
+        self.data = data
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self.data[i] for i in range(len(self.data)))
+
+
+def test_iterable_data_that_cannot_go_back_is_refused_before_training(tmp_path: Path) -> None:
+    """Without a position to go back to, a rewind restarted the stream while the batch count went on from the
+    snapshot: the skip list left out clean batches and the poisoned one spiked again until TooManyRewinds."""
+    module = Regressor(lr=0.02)
+    before = [p.detach().clone() for p in module.parameters()]
+    fit = trainer(tmp_path, guard())
+    with pytest.raises(ValueError, match=r"IterableDataset \(Stream\) without state_dict\(\)/load_state_dict\(\)"):
+        fit.fit(module, DataLoader(Stream(PoisonData(N, frozenset(range(36, 40)))), batch_size=BATCH))
+    assert fit.global_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+
+
+class ResumableStream(Stream):
+    """An iterable dataset that saves and restores its position (state_dict / load_state_dict)."""
+
+    def __init__(self, data: PoisonData) -> None:
+        super().__init__(data)
+        self.position = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        while self.position < len(self.data):
+            self.position += 1
+            yield self.data[self.position - 1]
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+class FirstInputs(ember.Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float]] = []
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.append((batch_idx, float(batch[0][0, 0])))
+
+
+def test_a_rewind_over_iterable_data_that_can_go_back_reads_and_drops_the_left_out_batches(tmp_path: Path) -> None:
+    """The end of such an epoch compared its position with an unknown length (inf) as an int: OverflowError."""
+    data = PoisonData(N, frozenset(range(36, 40)))  # the stream's batch 9
+    spiky, inputs = guard(), FirstInputs()
+    fit = trainer(tmp_path, spiky, inputs)
+    fit.fit(Regressor(lr=0.02), DataLoader(ResumableStream(data), batch_size=BATCH))
+    assert [(r["spike_step"], r["restored_step"], r["skipped_batches"]) for r in spiky.rewinds] == [
+        (10, 8, [[0, 8], [0, 9]])
+    ]
+    assert fit.global_step == N // BATCH - 2
+    first_of = {i: float(data[i * BATCH][0][0]) for i in range(N // BATCH)}
+    after = inputs.seen[10:]  # batches 0-9, then the epoch reopened at batch 8 with 8 and 9 left out
+    assert after == [(i, first_of[i]) for i in range(10, N // BATCH)]
+
+
+def test_max_rewinds_zero_names_the_one_spike(tmp_path: Path) -> None:
+    ids = batch_ids(N, BATCH)
+    fit = trainer(tmp_path, guard(max_rewinds=0))
+    with pytest.raises(TooManyRewinds) as raised:
+        fit.fit(Regressor(lr=0.02), loader(PoisonData(N, frozenset(ids[8])), BATCH))
+    assert str(raised.value).startswith("SpikeGuard: the loss spiked at step 9; max_rewinds=0. The fit went back")
+
+
+def test_a_spike_in_the_last_steps_of_a_fit_ending_at_max_steps_is_caught(tmp_path: Path) -> None:
+    """max_steps=11 with a check every 2 steps: the fit's last step is not a checking step, so a spike there was
+    never read and the fit ended with the poisoned parameters."""
+    ids = batch_ids(N, BATCH)
+    spiky = guard()
+    module = Regressor(lr=0.02)
+    trainer(tmp_path, spiky, max_steps=11).fit(module, loader(PoisonData(N, frozenset(ids[10])), BATCH))
+    assert [(r["spike_step"], r["restored_step"], r["skipped_batches"]) for r in spiky.rewinds] == [(11, 10, [[0, 10]])]
+    assert module.trainer.global_step == 11  # went back to step 10 and trained one more step on the next batch
+    assert max(float(p.detach().abs().max()) for p in module.parameters()) < 100
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a finite spike during the warm-up is not a spike, and the check after it renews the snapshot, so the "
+    "snapshot holds the spike's damage: every rewind goes back to it and the fit stops with TooManyRewinds "
+    "(docs/rewind.md promises 'the snapshot always predates the spike'); keeping the start snapshot until the "
+    "warm-up ends would widen the documented margin, a design choice",
+)
+def test_a_spike_before_the_warm_up_ends_is_left_out(tmp_path: Path) -> None:
+    ids = batch_ids(N, BATCH)
+    spiky = guard()
+    trainer(tmp_path, spiky).fit(Regressor(lr=0.02), loader(PoisonData(N, frozenset(ids[0])), BATCH))
+    assert [0, 0] in [position for rewind in spiky.rewinds for position in rewind["skipped_batches"]]
