@@ -257,7 +257,8 @@ class SpikeGuard(Callback):
             logger.log_metrics(metrics, record["step"])
         print(
             f"ember: loss spike at step {record['spike_step']} ({record['reason']}, {record['value']}): rewound to "
-            f"step {restored}, left out {len(rewind.skipped)} batches (rewind {len(self.rewinds)})",
+            f"step {restored}, left out {len(rewind.skipped)} batch{'es' * (len(rewind.skipped) != 1)} "
+            f"(rewind {len(self.rewinds)})",
             file=sys.stderr,
             flush=True,
         )

@@ -123,8 +123,8 @@ def read_manifest(fs: Any, remote: str, url: str) -> dict[str, Any] | None:
 
 
 def committed(fs: Any, remote: str, url: str) -> dict[str, Any] | None:
-    """The manifest of `remote` when it is a committed checkpoint (a valid manifest, and every file it lists
-    present with its listed size); None when there is no manifest; a `CheckpointError` saying what is wrong
+    """The manifest of `remote` when it is a committed checkpoint (a valid manifest that lists every file of the
+    folder, each present with its listed size); None when there is no manifest; a `CheckpointError` saying what is wrong
     when the files do not match it."""
     manifest = read_manifest(fs, remote, url)
     if manifest is None:
@@ -133,6 +133,13 @@ def committed(fs: Any, remote: str, url: str) -> dict[str, Any] | None:
     for info in fs.find(remote, detail=True).values():
         name = str(info["name"])[len(remote.rstrip("/")) + 1 :]
         present[name] = info.get("size")
+    listed = {entry["name"] for entry in manifest["files"]}
+    unlisted = sorted(name for name in present if name not in listed and name != MANIFEST_FILE)
+    if unlisted:  # the manifest is written last and names every file: one that leaves a file out is not ember's
+        raise CheckpointError(
+            f"checkpoint {url}: {unlisted[0]} is not in its {MANIFEST_FILE} ({len(unlisted)} file(s) unlisted); "
+            f"{DAMAGED}"
+        )
     for entry in manifest["files"]:
         if entry["name"] not in present:
             raise CheckpointError(f"checkpoint {url} is incomplete: {entry['name']} is missing")
