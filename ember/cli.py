@@ -72,7 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
                 "--ckpt",
                 "--resume",
                 dest="ckpt",
-                action=_CheckpointFlag,
                 metavar="last|best|PATH",
                 help="continue from a checkpoint; 'last': the newest complete one of this run name (its run "
                 "continues); 'best' or a path: its state, in a new run",
@@ -82,7 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
                 "--ckpt",
                 "--ckpt-path",
                 dest="ckpt",
-                action=_CheckpointFlag,
                 metavar="last|best|PATH",
                 help="load these weights first; 'best'/'last': from the newest run of this run name that has "
                 "checkpoints (--run picks another). Results are written into the checkpoint's run (eval/)",
@@ -321,22 +319,13 @@ _STRATEGY_NAMES = {
 }
 
 
-class _CheckpointFlag(argparse.Action):
-    """Stores the checkpoint value and which of its names was typed (``ckpt_flag``), so messages use that name."""
-
-    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, flag: Any = None) -> None:
-        setattr(namespace, self.dest, values)
-        namespace.ckpt_flag = flag
-
-
 def _checkpoint_option(args: argparse.Namespace) -> str | None:
     from ember.checkpoint.store import is_url
     from ember.config import ConfigError
 
     value = args.ckpt
     if value is not None and value not in ("last", "best") and not is_url(value) and not Path(value).exists():
-        flag = getattr(args, "ckpt_flag", "--ckpt")
-        raise ConfigError(f"{flag}: no checkpoint at {value}; give a checkpoint path, 'last' or 'best'")
+        raise ConfigError(f"--ckpt: no checkpoint at {value}; give a checkpoint path, 'last' or 'best'")
     if value is None and args.command != "fit" and not args.print_config:
         print(
             f"ember: note: no --ckpt given; {args.command} uses the weights the module is built with",

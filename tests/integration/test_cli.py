@@ -379,8 +379,7 @@ BAD: list[tuple[str, list[str], list[str]]] = [
         [*NET, "trainer.max_epochs"],
         ["command line: 'trainer.max_epochs' is not an option or an override"],
     ),
-    ("no such checkpoint", [*NET, "--resume", "nowhere/ckpt"], ["--resume: no checkpoint at nowhere/ckpt"]),
-    ("no such checkpoint, --ckpt", [*NET, "--ckpt", "nowhere/ckpt"], ["--ckpt: no checkpoint at nowhere/ckpt"]),
+    ("no such checkpoint", [*NET, "--resume", "nowhere/ckpt"], ["--ckpt: no checkpoint at nowhere/ckpt"]),
     ("no such config file", ["fit", "-c", "missing.yaml"], ["missing.yaml: cannot read config file"]),
 ]
 
