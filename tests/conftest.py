@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ class GlobalState:
         self.torch_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self.settings = self._settings()
+        self.modules = set(sys.modules)
 
     @staticmethod
     def _settings() -> dict[str, Any]:
@@ -72,6 +74,13 @@ class GlobalState:
         }
 
     def restore(self) -> None:
+        # Packages a test imported from its own temporary folder (a project such as ``my_project``): left in
+        # sys.modules, the next test's project of the same name would be shadowed by this one's.
+        temp = tempfile.gettempdir()
+        for name in set(sys.modules) - self.modules:
+            origin = getattr(sys.modules.get(name), "__file__", None) or ""
+            if origin.startswith(temp):
+                del sys.modules[name]
         for name in [name for name in os.environ if name not in self.environ]:
             del os.environ[name]
         for name, value in self.environ.items():

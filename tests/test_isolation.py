@@ -6,6 +6,8 @@ sets ``EMBER_SEED_WORKERS=1`` for the process, and a parity case of tests/exactn
 process then differed from the raw loop (its DataLoader workers were reseeded). The check below runs a small
 pytest session (in this process, in a fixed order) with the suite's conftest.py, and once more with its
 restoring fixture switched off, where the same tests must fail: the check itself is shown to see the leak.
+A second case: a package a test imports from its own temporary folder (a CLI test's ``my_project``) must not
+shadow the next test's package of the same name.
 """
 
 from __future__ import annotations
@@ -87,6 +89,30 @@ def test_6_deterministic_algorithms_are_as_before():
 """
 
 
+PROJECTS_OF_THE_SAME_NAME = """
+import importlib
+import sys
+
+
+def _import_project(folder, value):
+    (folder / "leaky_project").mkdir()
+    (folder / "leaky_project" / "__init__.py").write_text(f"VALUE = {value}")
+    sys.path.insert(0, str(folder))
+    try:
+        return importlib.import_module("leaky_project")
+    finally:
+        sys.path.remove(str(folder))  # as the CLI tests' project fixtures do; sys.modules keeps the package
+
+
+def test_1_imports_its_project(tmp_path):
+    assert _import_project(tmp_path, 1).VALUE == 1
+
+
+def test_2_imports_its_own_project_of_the_same_name(tmp_path):
+    assert _import_project(tmp_path, 2).VALUE == 2
+"""
+
+
 @pytest.mark.parametrize("restoring", [True, False], ids=["restored", "not-restored"])
 def test_what_a_test_changes_for_the_process_does_not_reach_the_next_test(
     pytester: pytest.Pytester, restoring: bool
@@ -98,12 +124,13 @@ def test_what_a_test_changes_for_the_process_does_not_reach_the_next_test(
     pytester.makepyfile(
         test_1_workers=WORKERS_SEEDED_THEN_PARITY,
         test_2_settings=SETTINGS_CHANGED,
+        test_3_projects=PROJECTS_OF_THE_SAME_NAME,
     )
     result = pytester.runpytest_inprocess("-p", "no:randomly", "-p", "no:cacheprovider", "-q")
     if restoring:
-        result.assert_outcomes(passed=9)
+        result.assert_outcomes(passed=11)
         return
-    result.assert_outcomes(passed=2, failed=7)
+    result.assert_outcomes(passed=3, failed=8)
     result.stdout.fnmatch_lines(["E * ember differs from the raw loop: loss of batch 0: *"])
     failed = [line.split(" ")[1] for line in result.outlines if line.startswith("FAILED ")]
     assert failed == [
@@ -114,4 +141,5 @@ def test_what_a_test_changes_for_the_process_does_not_reach_the_next_test(
         "test_2_settings.py::test_4_the_default_dtype_is_as_before",
         "test_2_settings.py::test_5_the_thread_count_is_as_before",
         "test_2_settings.py::test_6_deterministic_algorithms_are_as_before",
+        "test_3_projects.py::test_2_imports_its_own_project_of_the_same_name",
     ]
