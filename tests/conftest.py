@@ -171,3 +171,66 @@ def _isolated_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     test's apart from the repo and from the home directory."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("EMBER_CACHE", str(tmp_path / ".ember-cache"))
+
+
+# --- a real S3 API server (moto) for the tests of checkpoints and runs on object storage ----------------------
+
+_MOTO_SERVER = Path(sys.executable).parent / "moto_server"
+#: The dummy credentials the S3 tests put in the environment (and check that nothing stored or printed shows).
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "AKIDEMBERTEST0001", "AWS_SECRET_ACCESS_KEY": "ember-test-secret-Zq9xW"}
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 for the module's tests (``http://127.0.0.1:PORT``); stopped (its process
+    group) afterwards. Skips when moto's server is not installed."""
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    if not _MOTO_SERVER.exists():
+        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    proc = subprocess.Popen(
+        [str(_MOTO_SERVER), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    pytest.fail("moto_server did not start within 30 s")
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def s3_server_env(s3_endpoint: str) -> dict[str, str]:
+    """The environment a client of `s3_endpoint` needs (dummy credentials, region, endpoint), to set (`s3_env`)
+    or to give the processes a test starts."""
+    pytest.importorskip("s3fs", reason="s3:// needs s3fs (pip install -e '.[dev]')")
+    return {**S3_CREDENTIALS, "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_endpoint}
+
+
+@pytest.fixture
+def s3_env(s3_server_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """`s3_server_env` set in this test's environment only (credentials from the environment, as a real
+    deployment would)."""
+    env = dict(s3_server_env)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    import fsspec
+
+    fsspec.AbstractFileSystem.clear_instance_cache()  # an s3fs made before the env changed would be reused
+    yield env
+    fsspec.AbstractFileSystem.clear_instance_cache()

@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Any
 from ember.callbacks.callback import Callback
 from ember.callbacks.monitored import check_after_sanity
 from ember.checkpoint.store import check_url, is_url, join
+from ember.strategies import launcher
 
 if TYPE_CHECKING:
     from ember.checkpoint.mirror import StoreMirror
+    from ember.checkpoint.shared_commit import SharedCommit
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
 
@@ -103,7 +105,9 @@ class ModelCheckpoint(Callback):
             check_url(dirpath, "ModelCheckpoint(dirpath)")
             self.store_url, dirpath = dirpath.rstrip("/"), None  # written locally first, in the run directory
         self.dirpath = Path(dirpath) if dirpath is not None else None
-        self._mirror: StoreMirror | None = None
+        self._mirror: StoreMirror | None = None  # one process: uploads and commits
+        self._shared: SharedCommit | None = None  # several processes: each uploads its files, process 0 commits
+        self._failed: BaseException | None = None  # the exception this fit ended with (on_exception)
         self._removing: threading.Thread | None = None  # deleting evicted checkpoints
         self.filename = filename
         self.auto_insert_metric_name = auto_insert_metric_name
@@ -159,17 +163,29 @@ class ModelCheckpoint(Callback):
         kept = state["kept"]
         if not isinstance(kept, dict):
             raise TypeError(f"ModelCheckpoint state 'kept' is {type(kept).__name__}, expected a dict")
+        if self.store_url is not None:  # on a store, a checkpoint is a name in its folder, wherever it was staged
+            kept = {self._on_this_machine(p): s for p, s in kept.items()}
         self.kept = {p: _score_or_none(s) for p, s in kept.items() if self._owns(p)}
-        best = state["best_model_path"]
+        best = self._on_this_machine(state["best_model_path"])
         if isinstance(best, str) and self._owns(best):
             self.best_model_path, self.best_model_score = best, _score_or_none(state["best_model_score"])
-        last = state["last_model_path"]
+        last = self._on_this_machine(state["last_model_path"])
         self.last_model_path = last if isinstance(last, str) and self._owns(last) else ""
         step = state["last_saved_step"]
         self._last_saved_step = step if isinstance(step, int) else -1
-        if self._mirror is not None:  # the store holds the resumed run's checkpoints under the same names
+        uploader = self._mirror or self._shared
+        if uploader is not None:  # the store holds the resumed run's checkpoints under the same names
             names = [Path(p).name for p in (*kept, last) if isinstance(p, str) and p]
-            self._mirror.adopt([n for n in names if _is_checkpoint_name(n)])
+            uploader.adopt([n for n in names if _is_checkpoint_name(n)])
+
+    def _on_this_machine(self, path: object) -> object:
+        """For a store ``dirpath``: `path` (a checkpoint staged on the machine that wrote the state, maybe another)
+        as the same checkpoint's staging path here, so the ranking survives a resume on new machines; else
+        `path` unchanged."""
+        if self.store_url is None or self.dirpath is None or not isinstance(path, str) or not path:
+            return path
+        name = Path(path).name
+        return str(self.dirpath / name) if _is_checkpoint_name(name) else path
 
     def _owns(self, path: str) -> bool:
         """Whether `path` names a checkpoint directory directly inside `dirpath` (by resolved path; a
@@ -217,18 +233,33 @@ class ModelCheckpoint(Callback):
             self.dirpath = trainer.run_dir / "checkpoints"
             if self.store_url is None and trainer.run_url is not None:  # the run lives on a store: so do its saves
                 self.store_url = join(trainer.run_url, "checkpoints")
-        if self.store_url is not None and stage == "fit" and trainer.is_global_zero and self._mirror is None:
+        if self.store_url is None or stage != "fit" or self._mirror is not None or self._shared is not None:
+            return
+        self._failed = None
+        if trainer.world_size > 1:  # every process uploads its own files (`ember.checkpoint.shared_commit`)
+            from ember.checkpoint.shared_commit import SharedCommit
+
+            self._shared = SharedCommit(self.store_url, trainer.global_rank, trainer.world_size)
+        elif trainer.is_global_zero:
             from ember.checkpoint.mirror import StoreMirror
 
             self._mirror = StoreMirror(self.store_url)
 
+    def on_exception(self, trainer: Trainer, module: TrainingModule, exception: BaseException) -> None:
+        self._failed = exception
+
     def teardown(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
-        """Wait for evicted checkpoints to be deleted, and with a store ``dirpath`` for the uploads still queued;
-        raise the first upload that failed."""
+        """Wait for evicted checkpoints to be deleted, and with a store ``dirpath`` for the uploads still queued
+        (several processes: the final commit, unless the fit failed); raise the first upload that failed."""
         self._wait_for_removals()
         mirror, self._mirror = self._mirror, None
         if mirror is not None:
             mirror.close()
+        shared, self._shared = self._shared, None
+        if shared is not None:  # a preemption stops every process at the same boundary: they all get here
+            failed = self._failed
+            preempted = isinstance(failed, SystemExit) and failed.code == launcher.EXIT_PREEMPTED
+            shared.close(final=failed is None or preempted)
 
     def on_train_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._last_save_time = time.monotonic()
@@ -305,6 +336,8 @@ class ModelCheckpoint(Callback):
         """
         if trainer.fast_dev_run:
             return
+        if self._shared is not None:  # every process is here: report finished uploads, commit what all finished
+            self._shared.exchange()
         ranked = not (force_last and self.monitor is not None and self.monitor not in trainer.callback_metrics)
         score = self._score(trainer) if ranked else None
         if score is not None and math.isnan(score):
@@ -337,15 +370,24 @@ class ModelCheckpoint(Callback):
 
         step = trainer.global_step
 
+        def obsolete() -> list[str]:
+            return [old for old in stale if old not in self.kept and old != self.last_model_path]
+
+        if self._shared is not None:  # committed on the store by process 0 once every process uploaded its part
+            names = {Path(p).name for p in (*self.kept, self.last_model_path) if p}
+            remove_obsolete = lambda: self._remove_all(obsolete())  # noqa: E731
+            self._shared.add(path, step, self.save_last or force_last, names, after=remove_obsolete)
+
         def after_write(written: Path) -> None:  # runs once `written` is complete and `last` names it
-            obsolete = [old for old in stale if old not in self.kept and old != self.last_model_path]
+            if self._shared is not None:
+                return
             if self._mirror is None:
-                self._remove_in_background(obsolete)
+                self._remove_in_background(obsolete())
                 return
             # The store keeps what the folder keeps; a local checkpoint is deleted only once the uploads
             # queued before (its own among them) are done, on the upload thread.
             keep = {Path(p).name for p in (*self.kept, self.last_model_path) if p}
-            remove = functools.partial(self._remove_all, obsolete)
+            remove = functools.partial(self._remove_all, obsolete())
             self._mirror.submit(written, step, self.save_last or force_last, keep, after=remove)
 
         trainer.save_checkpoint(

@@ -66,6 +66,13 @@ def upload(fs: Any, local: Path, remote: str, global_step: int | None) -> dict[s
     names = local_files(local)
     if not names:
         raise FileNotFoundError(f"checkpoint {local} has no files to upload (it was deleted before its upload)")
+    return write_manifest(fs, remote, upload_files(fs, local, remote, names), global_step)
+
+
+def upload_files(fs: Any, local: Path, remote: str, names: list[str]) -> list[dict[str, Any]]:
+    """Upload the files `names` of checkpoint directory `local` to `remote`, after removing a manifest already
+    there (no reader may trust it while its files are replaced); returns their manifest entries (name, size,
+    SHA-256). Nothing at `remote` is committed by this: `write_manifest` does that."""
     with contextlib.suppress(FileNotFoundError):
         fs.rm_file(join(remote, MANIFEST_FILE))
     files = []
@@ -73,9 +80,25 @@ def upload(fs: Any, local: Path, remote: str, global_step: int | None) -> dict[s
         source = local / name
         files.append({"name": name, "size": source.stat().st_size, "sha256": _sha256_of(source)})
         fs.put_file(str(source), join(remote, name))
-    manifest = {"ember_manifest": _MANIFEST_VERSION, "global_step": global_step, "files": files}
+    return files
+
+
+def write_manifest(fs: Any, remote: str, files: list[dict[str, Any]], global_step: int | None) -> dict[str, Any]:
+    """Commit checkpoint `remote`: write its manifest listing `files` (every file already uploaded); returns it."""
+    entries = sorted(files, key=lambda entry: str(entry["name"]))
+    manifest = {"ember_manifest": _MANIFEST_VERSION, "global_step": global_step, "files": entries}
     fs.pipe_file(join(remote, MANIFEST_FILE), json.dumps(manifest, indent=1).encode("utf-8"))
     return manifest
+
+
+_RANK_FILE = re.compile(r"(?:__(\d+)_\d+\.distcp|rank-(\d+)\.pt)")
+
+
+def writer_rank(name: str) -> int:
+    """The process that writes file `name` of a checkpoint: N for DCP's ``__N_<i>.distcp`` shards and ember's
+    ``rank-N.pt``; 0 for everything else (``ember.pt``, DCP's ``.metadata``)."""
+    match = _RANK_FILE.fullmatch(name)
+    return int(match.group(1) or match.group(2)) if match else 0
 
 
 def _read_small(fs: Any, path: str, limit: int, what: str) -> bytes | None:

@@ -268,7 +268,10 @@ def write_checkpoint(
     Every process writes its tensor shards (torch.distributed.checkpoint, a
     collective over `group` when ``world_size > 1``) and its ``rank-N.pt``;
     rank 0 writes ``ember.pt`` and, once all files are fsynced, renames the
-    directory into place. The processes agree on the outcome of each phase, so
+    directory into place. A process that does not see rank 0's temporary folder
+    (another machine without a shared file system) writes its files into a
+    folder of its own at `path` (no ``ember.pt`` in it; `ember.checkpoint.shared_commit`
+    uploads it). The processes agree on the outcome of each phase, so
     a failure on one (a full disk) is raised on all, never a hang.
     """
     if world_size == 1:
@@ -277,24 +280,30 @@ def write_checkpoint(
         raise FileExistsError(f"checkpoint {path} already exists; ember never overwrites a checkpoint")
     tmp = _temporary_name(path, _broadcast_int(os.getpid(), group))  # one name all processes agree on
     failure: BaseException | None = None
+    own_folder = rank == 0
     if rank == 0:
         try:
             _make_temporary(path, tmp)
         except BaseException as exc:
             failure = exc
     if not _any_failed(failure, group):
+        # A process that does not see rank 0's folder (another machine, no shared file system: a run whose
+        # checkpoints go to a store) writes its own files into a folder of its own and puts it in place itself.
+        own_folder = rank == 0 or not tmp.is_dir()
         try:
+            if rank != 0 and own_folder:
+                _make_temporary(path, tmp)
             _write_files(path, tmp, meta, tensors, rank_meta, rank, world_size, group, sync=True)
         except BaseException as exc:
             failure = exc
-        if not _any_failed(failure, group) and rank == 0:
+        if not _any_failed(failure, group) and own_folder:
             try:
-                StagedCheckpoint(path, tmp, [], set_last).finish()
+                StagedCheckpoint(path, tmp, [], set_last and rank == 0).finish()
             except BaseException as exc:
                 failure = exc
         if not _any_failed(failure, group):  # every process returns once the checkpoint (and `last`) is in place
             return path
-    if rank == 0:
+    if own_folder:
         shutil.rmtree(tmp, ignore_errors=True)
     if failure is None:
         raise CheckpointWriteError(f"writing checkpoint {path} failed on another process (its error says why)")

@@ -155,6 +155,9 @@ def prepare(
     elif state.run_dir is None:
         claimed = _claim(trainer, root, url_root) if trainer.is_global_zero else None
         state.run_dir = trainer.strategy.broadcast(claimed[0] if claimed is not None else None)
+        if url_root is not None:  # each process stages the run in its own folder: machines need share nothing
+            state.run_dir = root / state.run_dir.name
+            state.run_dir.mkdir(parents=True, exist_ok=True)
     if url_root is not None and state.run_dir is not None:
         state.run_url = join(url_root, state.run_dir.name)
     if stage is stages.FIT:

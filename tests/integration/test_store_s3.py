@@ -12,12 +12,10 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,9 +25,7 @@ from ember.checkpoint import manifest, run_store
 from ember.checkpoint.store import open_store
 
 pytest.importorskip("s3fs", reason="s3:// needs s3fs (pip install -e '.[dev]')")
-SERVER = Path(sys.executable).parent / "moto_server"
 REPO = Path(__file__).resolve().parents[2]
-KEY_ID, SECRET = "AKIDEMBERTEST0001", "ember-test-secret-Zq9xW"
 
 ZYGOTE = """
 # Imports everything once, then forks one fit per "run" line on stdin (a launch costs milliseconds, not the
@@ -126,54 +122,6 @@ class Zygote:
         self.log.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    """A moto S3 server on 127.0.0.1 for this module's tests; stopped (its process group) afterwards."""
-    if not SERVER.exists():
-        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [str(SERVER), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    pytest.fail("moto_server did not start within 30 s")
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-
-
-@pytest.fixture
-def s3_env(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
-    """Dummy credentials and the endpoint, from the environment only (as a real deployment would)."""
-    env = {
-        "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": s3_endpoint,
-    }  # fmt: skip
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    import fsspec
-
-    fsspec.AbstractFileSystem.clear_instance_cache()  # an s3fs made before the env changed would be reused
-    yield env
-    fsspec.AbstractFileSystem.clear_instance_cache()
-
-
 def _bucket(env: dict[str, str]) -> str:
     import s3fs
 
@@ -202,14 +150,15 @@ def test_sigkill_during_saves_uploads_and_evictions_then_resume_from_the_store_i
     (tmp_path / "tmp").mkdir()
     zygote = Zygote(script, tmp_path / "tmp" / "fits.log", s3_env)
     try:
-        _kill_and_resume(tmp_path, zygote, _bucket(s3_env))
+        _kill_and_resume(tmp_path, zygote, _bucket(s3_env), s3_env)
     finally:
         zygote.close()
     log = (tmp_path / "tmp" / "fits.log").read_text()
-    assert SECRET not in log and KEY_ID not in log
+    key_id, secret = s3_env["AWS_ACCESS_KEY_ID"], s3_env["AWS_SECRET_ACCESS_KEY"]
+    assert secret not in log and key_id not in log
 
 
-def _kill_and_resume(tmp_path: Path, zygote: Zygote, bucket: str) -> None:
+def _kill_and_resume(tmp_path: Path, zygote: Zygote, bucket: str, s3_env: dict[str, str]) -> None:
     reference = tmp_path / "reference.pt"
     pid = zygote.run(f"s3://{bucket}/reference", tmp_path / "ref", reference, tmp_path / "m-ref")
     assert zygote.wait(pid) == 0, (tmp_path / "tmp" / "fits.log").read_text()[-3000:]
@@ -248,7 +197,7 @@ def _kill_and_resume(tmp_path: Path, zygote: Zygote, bucket: str) -> None:
     fs.invalidate_cache()  # the final fit wrote from another process: list the store as it is now
     for key in fs.find(bucket):  # nothing secret in any object on the store
         data = fs.cat_file(key)
-        assert SECRET.encode() not in data and KEY_ID.encode() not in data, key
+        assert all(s3_env[k].encode() not in data for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")), key
 
 
 RUN_ON_STORE = """
@@ -332,7 +281,8 @@ def test_a_run_on_s3_killed_mid_run_leaves_a_loadable_last_and_logs_then_resumes
     )  # fmt: skip
     assert second.returncode == 0, second.stderr[-2000:]
     assert second.stdout.split()[-2:] == [f"{url}/net/version_0", "60"]
-    assert "resuming from" in second.stderr and KEY_ID not in second.stderr and SECRET not in second.stderr
+    assert "resuming from" in second.stderr
+    assert s3_env["AWS_ACCESS_KEY_ID"] not in second.stderr and s3_env["AWS_SECRET_ACCESS_KEY"] not in second.stderr
     fs.invalidate_cache()
     status = json.loads(fs.cat_file(f"{run}/status.json"))
     assert status["status"] == "finished" and status["global_step"] == 60

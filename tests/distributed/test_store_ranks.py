@@ -1,0 +1,185 @@
+"""Checkpoints of a 2-process job (DDP over gloo) on a real S3 API server (moto on 127.0.0.1), with no shared
+local folder: each process stages in a folder of its own (its own ``EMBER_CACHE``, as on separate machines),
+uploads its own DCP shard and rank files, and process 0 writes the manifest, covering every process's files,
+only once both reported their uploads. Resumed on 2 processes (each with a new, empty local folder) the run
+ends bitwise equal to an uninterrupted one; resumed on 1 process it loads exactly the 2-process weights. A
+process whose upload fails keeps the checkpoint uncommitted (``last`` stays) and the fit reports it."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import dist_harness as harness
+import dist_workload as workload
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import ember
+from ember.checkpoint import manifest
+from ember.checkpoint.store import open_store
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # one 2-process launch, about 20-40 s on 2 cores
+
+SCRIPT = """\
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+import dist_workload as w
+from ember.checkpoint import manifest
+
+out, machines, url = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+rank = int(os.environ["RANK"])
+
+
+def machine(name):  # what this process stages locally: its own folder, shared with no other process
+    os.environ["EMBER_CACHE"] = str(machines / f"{name}-rank{rank}")
+
+
+def fit(root, **kwargs):
+    return w.summary(*w.fit_shuffled(w.ddp(), root, max_epochs=2, **kwargs))
+
+
+machine("a")
+w.section(out, "full", lambda: fit(url + "/full"))
+w.section(out, "stopped", lambda: fit(url + "/run", ckpt_every=5, stop_at=15, keep=2))
+dist.barrier()
+machine("b")  # new machines: empty local folders; the run continues from the store alone
+w.section(out, "resumed", lambda: fit(url + "/run", ckpt_every=5, keep=2, ckpt_path="last", async_save=True))
+
+real_upload = manifest.upload_files
+
+
+def refused_on_rank_1(fs, local, remote, names):
+    if rank == 1 and local.name.endswith("step=10"):
+        raise PermissionError("AccessDenied: the store refused the upload")
+    return real_upload(fs, local, remote, names)
+
+
+def failing():
+    manifest.upload_files = refused_on_rank_1
+    try:
+        fit(url + "/failing", ckpt_every=5, max_steps=12)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None}
+
+
+machine("c")
+w.section(out, "failing", failing)
+"""
+
+
+def _bucket() -> str:
+    import fsspec
+    import s3fs
+
+    fsspec.AbstractFileSystem.clear_instance_cache()
+    name = f"ember-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem().mkdir(name)
+    return name
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory, s3_server_env: dict[str, str]) -> dict[str, Any]:
+    """The 2-process job (see SCRIPT): its results by section, the store's URL and the job's output."""
+    directory = tmp_path_factory.mktemp("store_ranks")
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in s3_server_env.items():
+            patch.setenv(key, value)
+        url = f"s3://{_bucket()}/runs"
+    script = harness.write_script(directory, SCRIPT)
+    out, machines = directory / "out", directory / "machines"
+    cmd = harness.torchrun(script, str(out), str(machines), url)
+    finished = harness.run(cmd, cwd=directory, timeout=300, env=harness.clean_env(s3_server_env))
+    sections = {}
+    for name in ("full", "stopped", "resumed", "failing"):
+        try:
+            sections[name] = harness.results(out, name, 2, finished)
+        except AssertionError as exc:
+            pytest.fail(str(exc), pytrace=False)
+    return {"url": url, "results": sections, "job": finished, "machines": machines}
+
+
+def _checkpoints(fs: Any, folder: str) -> dict[str, bool]:
+    """The checkpoint folders in `folder` on the store, each with whether it has a manifest."""
+    fs.invalidate_cache()
+    return {
+        info["name"].rsplit("/", 1)[-1]: fs.exists(f"{info['name']}/{manifest.MANIFEST_FILE}")
+        for info in fs.ls(folder, detail=True)
+        if info["type"] == "directory"
+    }
+
+
+def test_each_process_uploads_its_own_files_and_process_0_commits_them_all(job: dict[str, Any], s3_env) -> None:
+    fs, root = open_store(f"{job['url']}/run/shuffled/version_0/checkpoints")
+    # keep=2 through the resume: step 20 evicted step 10 from the store, manifest first
+    assert _checkpoints(fs, root) == {"epoch=1-step=15": True, "epoch=1-step=20": True}
+    assert manifest.read_last(fs, root, "last") == "epoch=1-step=20"
+    listed = json.loads(fs.cat_file(f"{root}/epoch=1-step=15/{manifest.MANIFEST_FILE}"))
+    names = sorted(entry["name"] for entry in listed["files"])
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "ember.pt", "rank-0.pt", "rank-1.pt"]
+    assert listed["global_step"] == 15
+    for entry in listed["files"]:  # sizes as uploaded (the checksums are checked by every download)
+        assert fs.size(f"{root}/epoch=1-step=15/{entry['name']}") == entry["size"]
+    # No shared local folder: rank 1 staged only its own files, and dropped them once they were on the store.
+    rank1 = list((job["machines"] / "a-rank1").rglob("*.distcp"))
+    assert rank1 == [], rank1
+    assert list((job["machines"] / "a-rank0").rglob("epoch=1-step=15/__1_0.distcp")) == []
+
+
+def test_a_2_process_checkpoint_on_the_store_resumes_on_2_new_machines_bitwise(job: dict[str, Any]) -> None:
+    results = job["results"]
+    for rank in (0, 1):
+        full, stopped, resumed = (results[name][rank] for name in ("full", "stopped", "resumed"))
+        assert stopped["steps"] == 15 and resumed["steps"] == full["steps"] == 24
+        assert resumed["losses"] == full["losses"][15:], f"rank {rank}: the resumed steps differ"
+        harness.assert_params_equal(resumed["params"], full["params"], f"rank {rank}: resumed vs uninterrupted")
+
+
+class _LoadedWeights(ember.Callback):
+    def on_fit_start(self, trainer: Any, module: Any) -> None:
+        self.weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_a_2_process_checkpoint_on_the_store_resumes_on_1_process(
+    job: dict[str, Any], s3_env: dict[str, str], tmp_path: Path, own_random_state: None
+) -> None:
+    stopped = job["results"]["stopped"][0]
+    url = f"{job['url']}/run/shuffled/version_0/checkpoints/epoch=1-step=15"
+    module, loaded = workload.Net(dropout=0.2, adamw=True), _LoadedWeights()
+    trainer = ember.Trainer(
+        max_steps=17,
+        strategy="single_device",
+        accelerator="cpu",
+        callbacks=[loaded],
+        enable_checkpointing=False,
+        default_root_dir=tmp_path / "one-machine",
+        **workload.QUIET,
+    )
+    loader = DataLoader(workload.train_set(workload.N_SHUFFLED), batch_size=4, shuffle=True)
+    with pytest.warns(RuntimeWarning, match=r"written by 2 process\(es\) and resumes on 1"):
+        trainer.fit(module, loader, ckpt_path=url)
+    harness.assert_params_equal(loaded.weights, stopped["params"], "loaded vs the 2-process run at step 15")
+    assert trainer.global_step == 17  # continued from step 15
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_a_process_whose_upload_fails_keeps_the_checkpoint_uncommitted_and_the_fit_says_so(
+    job: dict[str, Any], s3_env
+) -> None:
+    errors = [result["error"] for result in job["results"]["failing"]]
+    for error in errors:  # raised on both processes, naming the one that failed and why
+        assert error is not None and error.startswith("CheckpointWriteError: committing checkpoints to s3://"), error
+        assert "process 1 could not upload its files of epoch=0-step=10: PermissionError: AccessDenied" in error
+    fs, root = open_store(f"{job['url']}/failing/shuffled/version_0/checkpoints")
+    assert _checkpoints(fs, root) == {"epoch=0-step=5": True, "epoch=0-step=10": False}
+    assert manifest.read_last(fs, root, "last") == "epoch=0-step=5"  # the previous `last` stays
+    output = job["job"].output
+    assert s3_env["AWS_ACCESS_KEY_ID"] not in output and s3_env["AWS_SECRET_ACCESS_KEY"] not in output
