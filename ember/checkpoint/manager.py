@@ -29,6 +29,7 @@ from ember.checkpoint.store import redact
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from ember.checkpoint.store_lock import StoreRunLock
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
 
@@ -80,6 +81,8 @@ class CheckpointManager:
         self._staging: dict[str, Tensor] = {}
         #: This process's claim on the run directory fit writes into (`claim_run`); None outside fit.
         self._run_lock: RunLock | None = None
+        #: The same on the store, for a run whose root is a URL (`ember.checkpoint.store_lock`).
+        self._store_lock: StoreRunLock | None = None
 
     def request(self, path: Path, weights_only: bool, async_save: bool, set_last: bool, on_done: OnDone | None) -> None:
         if any(r.path == path for r in self.pending) or path == self._in_flight or path.exists():
@@ -97,8 +100,9 @@ class CheckpointManager:
         if self.pending:
             try:
                 trainer.finite_guard.check()
-                if self._run_lock is not None:
-                    self._run_lock.check()  # taken over by another process: it writes the run now, not this one
+                for lock in (self._run_lock, self._store_lock):
+                    if lock is not None:
+                        lock.check()  # taken over by another process: it writes the run now, not this one
             except BaseException:
                 self.pending.clear()
                 raise
@@ -213,17 +217,29 @@ class CheckpointManager:
             info(trainer, message)
         return path, run_dir
 
-    def claim_run(self, run_dir: Path) -> None:
-        """Hold `run_dir`'s writer lock until `release_run` (`ember.checkpoint.run_lock`): one writer per run.
-        Raises `RunLockedError`, naming the holder, when another process holds it."""
+    def claim_run(self, run_dir: Path, run_url: str | None = None) -> None:
+        """Hold `run_dir`'s writer lock until `release_run` (`ember.checkpoint.run_lock`): one writer per run;
+        for a run on a store (`run_url`), its lock there too (`ember.checkpoint.store_lock`). Raises
+        `RunLockedError`, naming the holder, when another process holds either."""
         self.release_run()
         self._run_lock = RunLock.acquire(run_dir)
+        if run_url is not None:
+            from ember.checkpoint.store_lock import StoreRunLock
+
+            try:
+                self._store_lock = StoreRunLock.acquire(run_url)
+            except BaseException:
+                self.release_run()
+                raise
 
     def release_run(self) -> None:
-        """Let go of the run directory's writer lock, if this manager holds one."""
+        """Let go of the run's writer locks, if this manager holds them."""
         lock, self._run_lock = self._run_lock, None
         if lock is not None:
             lock.release()
+        store_lock, self._store_lock = self._store_lock, None
+        if store_lock is not None:
+            store_lock.release()
 
     def restore(self, trainer: Trainer, module: TrainingModule, path: Path) -> dict[str, Any]:
         """Restore every registry entry from checkpoint `path` for resuming training; returns this process's

@@ -195,7 +195,7 @@ def hold_run(trainer: Trainer, claimed: tuple[Path, Path] | None) -> None:
     error: ckpt.CheckpointError | None = None
     if trainer.is_global_zero:
         try:
-            trainer.checkpoints.claim_run(trainer.run_dir)
+            trainer.checkpoints.claim_run(trainer.run_dir, trainer.run_state.run_url)
         except ckpt.CheckpointError as exc:
             error = exc
     refusal = trainer.strategy.broadcast(None if error is None else str(error))

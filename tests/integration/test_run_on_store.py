@@ -341,3 +341,21 @@ def test_cli_resume_last_on_the_store_refuses_to_extend_an_older_run(
     assert main(["fit", "-c", str(project), root, "trainer.max_steps=9", "--resume", "last"]) == 2
     assert "the newest run" in capsys.readouterr().err.splitlines()[-1]
     assert _store_files(f"{url}/net/version_0") == before  # version_0 not extended
+
+
+def test_cli_fit_on_a_run_another_machine_writes_now_is_refused_in_one_line(
+    project: Path, url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = f"trainer.default_root_dir={url}"
+    assert main(["fit", "-c", str(project), root]) == 0, capsys.readouterr().err
+    fs, path = open_store(f"{url}/net/version_0")
+    holder = {"host": "other-node", "machine": "m", "pid": 4242, "process_start": "7", "since": time.time()}
+    fs.pipe_file(f"{path}/.writer-0.lock", json.dumps({**holder, "token": "t" * 32}).encode())  # machine B's fit
+    before = _store_files(f"{url}/net/version_0")
+    monkeypatch.setenv(run_store.CACHE_ENV, str(tmp_path / "machine-c"))
+    capsys.readouterr()
+    assert main(["fit", "-c", str(project), root, "trainer.max_steps=9", "--resume", "last"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"run {url}/net/version_0 is being written by another process: pid 4242 on host other-node" in err[-1]
+    assert _store_files(f"{url}/net/version_0") == before  # refused before anything was written
+    assert not fs.exists(f"{path.rsplit('/', 1)[0]}/version_1")

@@ -287,3 +287,36 @@ def test_a_run_on_s3_killed_mid_run_leaves_a_loadable_last_and_logs_then_resumes
     status = json.loads(fs.cat_file(f"{run}/status.json"))
     assert status["status"] == "finished" and status["global_step"] == 60
     assert not fs.exists(f"{root}/net/version_1")  # the resume continued version_0
+
+
+def test_the_run_lock_on_s3_refuses_a_second_writer_and_is_taken_over_from_a_killed_one(
+    tmp_path: Path, s3_env: dict[str, str]
+) -> None:
+    from ember.checkpoint.run_lock import RunLockedError
+    from ember.checkpoint.store_lock import StoreRunLock
+
+    url = f"s3://{_bucket(s3_env)}/runs/net/version_0"
+    lock = StoreRunLock.acquire(url)
+    fs, root = open_store(url)
+    try:
+        with pytest.raises(RunLockedError, match=f"is being written by another process: pid {os.getpid()} on host"):
+            StoreRunLock.acquire(url)
+        with pytest.raises(FileExistsError):  # a claim is a conditional create the server enforces
+            fs.pipe_file(lock.path, b"{}", mode="create")
+    finally:
+        lock.release()
+    fs.invalidate_cache()
+    assert not fs.exists(root)  # the claim was the run's only object
+    killed = subprocess.Popen([sys.executable, "-c", "import os, sys; from ember.checkpoint.store_lock import "
+                               "StoreRunLock; StoreRunLock.acquire(sys.argv[1]); os._exit(9)", url],
+                              env=dict(os.environ, PYTHONPATH=str(REPO)))  # fmt: skip
+    assert killed.wait(timeout=60) == 9  # exited without releasing: its claim stays on the store
+    fs.invalidate_cache()
+    assert [p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False, refresh=True)] == [".writer-0.lock"]
+    lock = StoreRunLock.acquire(url)  # its process is gone (same host): taken over at once
+    try:
+        assert lock.path.endswith("/.writer-1.lock")
+        fs.invalidate_cache()
+        assert [p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False, refresh=True)] == [".writer-1.lock"]
+    finally:
+        lock.release()
