@@ -317,7 +317,7 @@ class NewestRunHasNoCheckpoint(CheckpointError):
     """``ckpt_path="last"`` for fit, when the newest fit of the run name has no checkpoint but an older one has:
     continuing the older run silently would extend the wrong run. Names both runs and the older checkpoint."""
 
-    def __init__(self, newest: Path, how: str, older: Path, checkpoint: Path) -> None:
+    def __init__(self, newest: Path | str, how: str, older: Path | str, checkpoint: Path | str) -> None:
         self.newest, self.how, self.older, self.checkpoint = newest, how, older, checkpoint
         super().__init__(
             f"ckpt_path='last': the newest run, {newest} ({how}), has no checkpoint; to continue {older} from "

@@ -196,10 +196,16 @@ class CheckpointManager:
         ``"last"`` with no local checkpoint takes the newest committed one of `stores` (the URLs of
         ``ModelCheckpoint(dirpath=URL)``): a run continued on a machine that shares nothing but the store.
         With `run_url` (``default_root_dir`` is a URL; `run_root` is then its staging folder) ``"last"`` is the
-        newest committed checkpoint of the runs on the store (`ember.checkpoint.run_store.find_last`)."""
+        newest committed checkpoint of the runs on the store (`ember.checkpoint.run_store.find_last`), and a run's
+        URL (``<run_url>/version_N``) names that run's newest checkpoint: fit continues that run
+        (`ember.checkpoint.run_store.find_run`)."""
         path, run_dir, message = None, None, None
         if run_url is not None and ckpt_path in ("last", "best"):
             path, run_dir, message = _last_of_store_runs(ckpt_path, run_url, run_root, stage)
+        elif run_url is not None and isinstance(ckpt_path, str) and _names_a_store_run(ckpt_path, run_url):
+            from ember.checkpoint import run_store
+
+            path, run_dir, message = run_store.find_run(ckpt_path, run_root, stage)
         elif ckpt_path is not None:
             local_error: ckpt.CheckpointError | None = None
             try:
@@ -294,6 +300,13 @@ def _last_on_stores(
         where = ", ".join(map(redact, stores))
         raise ckpt.CheckpointError(f"ckpt_path='last': no complete checkpoint here nor in {where}")
     return None, message
+
+
+def _names_a_store_run(ckpt_path: str, run_url: str) -> bool:
+    from ember.checkpoint import run_store
+    from ember.checkpoint.store import is_url
+
+    return is_url(ckpt_path) and run_store.is_run_url(ckpt_path, run_url)
 
 
 def _last_of_store_runs(

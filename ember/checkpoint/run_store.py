@@ -31,9 +31,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ember.checkpoint import manifest
+from ember.checkpoint import manifest, run_status
 from ember.checkpoint.format import CheckpointError
-from ember.checkpoint.locating import CHECKPOINT_SUBDIR
+from ember.checkpoint.locating import CHECKPOINT_SUBDIR, NewestRunHasNoCheckpoint
 from ember.checkpoint.run_lock import Holder
 from ember.checkpoint.store import join, open_store, redact
 
@@ -132,19 +132,85 @@ def newest_on_store(url_root: str) -> tuple[str, str] | None:
 
 
 def find_last(url_root: str, local_root: Path, stage: str) -> tuple[Path, Path, str] | None:
-    """(the newest committed checkpoint of the store's runs under `url_root` (`newest_on_store`), downloaded;
-    the local run directory that continues its run, its logs brought back (`restore_logs`); a line to print),
-    or None when no run there has one."""
-    found = newest_on_store(url_root)
+    """(the newest committed checkpoint of the store's runs under `url_root`, downloaded; the local run directory
+    that continues its run, its logs brought back (`restore_logs`); a line to print), or None when no run there
+    has one.
+
+    As for local runs (`ember.checkpoint.resolve_ckpt_path`): other stages take the newest run with a committed
+    checkpoint (`newest_on_store`); fit looks at the newest fit run alone (its ``status.json`` on the store
+    names the command), and when that run has no checkpoint while an older one has, raises
+    `NewestRunHasNoCheckpoint` naming both runs' URLs: continuing the older run silently would extend the
+    wrong one, and its URL continues it (`find_run`)."""
+    fs, root = open_store(url_root, "default_root_dir")
+    found = _last_of_fit_on_store(fs, root, url_root) if stage == "fit" else newest_on_store(url_root)
     if found is None:
         return None
     version, checkpoint_url = found
+    what = "resuming from" if stage == "fit" else f"{stage}: loading"
+    line = f"{what} {redact(checkpoint_url)}, the newest checkpoint on the store"
+    return _download_run(fs, root, version, checkpoint_url, local_root, line)
+
+
+def find_run(run_url: str, local_root: Path, stage: str) -> tuple[Path, Path, str]:
+    """``ckpt_path=<root URL>/<run name>/version_N`` (a run on the store, not one checkpoint): (its newest committed
+    checkpoint, downloaded; the local run directory that continues it, its logs brought back; a line to print).
+    A run without a committed checkpoint is a `CheckpointError`."""
+    url_root, version = run_url.rstrip("/").rsplit("/", 1)
+    fs, root = open_store(url_root, "ckpt_path")
+    folder_url = join(url_root, version, CHECKPOINT_SUBDIR)
+    found = manifest.newest(fs, join(root, version, CHECKPOINT_SUBDIR), redact(folder_url))
+    if found is None:
+        raise CheckpointError(f"ckpt_path={redact(run_url)}: this run has no committed checkpoint on the store")
+    checkpoint_url = join(folder_url, found[0])
+    what = f"resuming run {redact(run_url)} from" if stage == "fit" else f"{stage}: loading"
+    return _download_run(fs, root, version, checkpoint_url, local_root, f"{what} {redact(checkpoint_url)}")
+
+
+def is_run_url(url: str, url_root: str) -> bool:
+    """Whether `url` names a run ``version_N`` directly under `url_root` (``<root URL>/<run name>``)."""
+    head, _, version = url.rstrip("/").rpartition("/")
+    return head == url_root.rstrip("/") and _VERSION.fullmatch(version) is not None
+
+
+def _download_run(
+    fs: Any, root: str, version: str, checkpoint_url: str, local_root: Path, line: str
+) -> tuple[Path, Path, str]:
     path = manifest.fetch_checkpoint(checkpoint_url, "ckpt_path")
-    fs, root = open_store(url_root, "default_root_dir")
     run_dir = local_root / version
     restore_logs(fs, join(root, version), run_dir)
-    what = "resuming from" if stage == "fit" else f"{stage}: loading"
-    return path, run_dir, f"{what} {redact(checkpoint_url)}, the newest checkpoint on the store"
+    return path, run_dir, line
+
+
+def _last_of_fit_on_store(fs: Any, root: str, url_root: str) -> tuple[str, str] | None:
+    """(``version_N``, its newest committed checkpoint's URL) of the newest fit run under `url_root`; None when
+    it has none and neither has any older run; `NewestRunHasNoCheckpoint` when it has none but an older run has."""
+    versions = [f"version_{n}" for n in store_versions(fs, root)]
+    fits = [v for v in versions if _status(fs, join(root, v)).get("command", "fit") in ("fit", "sweep trial")]
+    for version in fits:
+        folder_url = join(url_root, version, CHECKPOINT_SUBDIR)
+        found = manifest.newest(fs, join(root, version, CHECKPOINT_SUBDIR), redact(folder_url))
+        if found is None:
+            continue
+        if version == fits[0]:
+            return version, join(folder_url, found[0])
+        newest = fits[0]
+        record = _status(fs, join(root, newest))
+        status, reason = record.get("status", "no status record"), record.get("reason")
+        how = f"{status}: {reason}" if isinstance(reason, str) and reason else str(status)
+        raise NewestRunHasNoCheckpoint(
+            redact(join(url_root, newest)), how, redact(join(url_root, version)), redact(join(folder_url, found[0]))
+        )
+    return None
+
+
+def _status(fs: Any, remote: str) -> dict[str, Any]:
+    """The run's ``status.json`` on the store ({} when it has none or it is unreadable)."""
+    try:
+        data = fs.cat_file(join(remote, run_status.STATUS_FILE))
+        record = json.loads(data.decode("utf-8")) if len(data) < 1 << 20 else {}
+    except (FileNotFoundError, UnicodeDecodeError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def restore_logs(fs: Any, remote: str, run_dir: Path) -> list[str]:

@@ -320,13 +320,6 @@ class CtrlCAt(ember.Callback):
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="on a store, --resume last takes the newest version with a committed checkpoint (run_store.newest_on_store) "
-    "and silently extends an older run when the newest fit stopped before its first checkpoint, where docs/cli.md "
-    "promises a refusal (exit 2) naming the command that continues the older run; on a store there is no such "
-    "command yet (a checkpoint URL starts a new run, and fit has no --run), so the refusal needs a design first",
-)
 def test_cli_resume_last_on_the_store_refuses_to_extend_an_older_run(
     project: Path, url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -339,8 +332,20 @@ def test_cli_resume_last_on_the_store_refuses_to_extend_an_older_run(
     before = _store_files(f"{url}/net/version_0")
 
     assert main(["fit", "-c", str(project), root, "trainer.max_steps=9", "--resume", "last"]) == 2
-    assert "the newest run" in capsys.readouterr().err.splitlines()[-1]
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert f"--resume last: the newest run, {url}/net/version_1 (stopped: interrupted), has no checkpoint" in line
+    assert f"to continue {url}/net/version_0 from {url}/net/version_0/checkpoints/epoch=" in line
     assert _store_files(f"{url}/net/version_0") == before  # version_0 not extended
+
+    # The command the line gives continues the older run.
+    continue_older = line.split("`")[1].split()
+    assert continue_older[-2:] == ["--resume", f"{url}/net/version_0"]
+    assert main(continue_older[1:]) == 0
+    err = capsys.readouterr().err
+    assert f"resuming run {url}/net/version_0 from {url}/net/version_0/checkpoints/" in err
+    status = json.loads(_store_files(f"{url}/net/version_0")["status.json"])
+    assert status["global_step"] == 9 and status["status"] == "finished"
+    assert not _store_files(f"{url}/net/version_2")  # no new run
 
 
 def test_cli_fit_on_a_run_another_machine_writes_now_is_refused_in_one_line(
@@ -359,3 +364,11 @@ def test_cli_fit_on_a_run_another_machine_writes_now_is_refused_in_one_line(
     assert f"run {url}/net/version_0 is being written by another process: pid 4242 on host other-node" in err[-1]
     assert _store_files(f"{url}/net/version_0") == before  # refused before anything was written
     assert not fs.exists(f"{path.rsplit('/', 1)[0]}/version_1")
+
+
+def test_a_run_url_without_a_committed_checkpoint_is_refused_saying_so(url: str) -> None:
+    first = _fit(url, 2, enable_checkpointing=False)  # a run on the store, with no checkpoint
+    assert first.run_url == f"{url}/tiny/version_0"
+    with pytest.raises(ember.checkpoint.CheckpointError) as refused:
+        _fit(url, 4, ckpt_path=first.run_url)
+    assert str(refused.value) == f"ckpt_path={url}/tiny/version_0: this run has no committed checkpoint on the store"
