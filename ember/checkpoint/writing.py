@@ -291,8 +291,10 @@ def write_checkpoint(
         # checkpoints go to a store) writes its own files into a folder of its own and puts it in place itself.
         own_folder = rank == 0 or not tmp.is_dir()
         try:
-            if rank != 0 and own_folder:
-                _make_temporary(path, tmp)
+            if rank != 0 and own_folder:  # never removes anything under this name: it may be rank 0's after all
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _remove_abandoned_temporaries(path.parent)
+                tmp.mkdir()
             _write_files(path, tmp, meta, tensors, rank_meta, rank, world_size, group, sync=True)
         except BaseException as exc:
             failure = exc

@@ -22,7 +22,7 @@ import ember
 from ember.checkpoint import manifest
 from ember.checkpoint.store import open_store
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # one 2-process launch, about 20-40 s on 2 cores
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # one 2-process launch, about 30-50 s on 2 cores
 
 SCRIPT = """\
 import os
@@ -68,11 +68,25 @@ def failing():
         fit(url + "/failing", ckpt_every=5, max_steps=12)
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        manifest.upload_files = real_upload
     return {"error": None}
 
 
 machine("c")
 w.section(out, "failing", failing)
+
+
+def fsdp(root, **kwargs):
+    return w.summary(*w.fit_shuffled(w.fsdp(), root, max_epochs=2, **kwargs))
+
+
+machine("d")
+w.section(out, "fsdp_full", lambda: fsdp(url + "/fsdp-full"))
+w.section(out, "fsdp_stopped", lambda: fsdp(url + "/fsdp", ckpt_every=5, stop_at=15, async_save=True))
+dist.barrier()
+machine("e")
+w.section(out, "fsdp_resumed", lambda: fsdp(url + "/fsdp", ckpt_every=5, ckpt_path="last", async_save=True))
 """
 
 
@@ -99,7 +113,7 @@ def job(tmp_path_factory: pytest.TempPathFactory, s3_server_env: dict[str, str])
     cmd = harness.torchrun(script, str(out), str(machines), url)
     finished = harness.run(cmd, cwd=directory, timeout=300, env=harness.clean_env(s3_server_env))
     sections = {}
-    for name in ("full", "stopped", "resumed", "failing"):
+    for name in ("full", "stopped", "resumed", "failing", "fsdp_full", "fsdp_stopped", "fsdp_resumed"):
         try:
             sections[name] = harness.results(out, name, 2, finished)
         except AssertionError as exc:
@@ -141,6 +155,18 @@ def test_a_2_process_checkpoint_on_the_store_resumes_on_2_new_machines_bitwise(j
         assert stopped["steps"] == 15 and resumed["steps"] == full["steps"] == 24
         assert resumed["losses"] == full["losses"][15:], f"rank {rank}: the resumed steps differ"
         harness.assert_params_equal(resumed["params"], full["params"], f"rank {rank}: resumed vs uninterrupted")
+
+
+def test_an_fsdp_checkpoint_on_the_store_resumes_on_2_new_machines_bitwise(job: dict[str, Any]) -> None:
+    results = job["results"]
+    for rank in (0, 1):
+        full, stopped, resumed = (results[f"fsdp_{name}"][rank] for name in ("full", "stopped", "resumed"))
+        assert stopped["steps"] == 15 and resumed["steps"] == full["steps"] == 24
+        harness.assert_params_equal(resumed["params"], full["params"], f"FSDP rank {rank}: resumed vs uninterrupted")
+    fs, root = open_store(f"{job['url']}/fsdp/shuffled/version_0/checkpoints")
+    assert _checkpoints(fs, root) == {"epoch=1-step=20": True}  # keep=1: step 15 evicted once 20 was committed
+    listed = json.loads(fs.cat_file(f"{root}/epoch=1-step=20/{manifest.MANIFEST_FILE}"))
+    assert {"__0_0.distcp", "__1_0.distcp", "rank-0.pt", "rank-1.pt"} <= {entry["name"] for entry in listed["files"]}
 
 
 class _LoadedWeights(ember.Callback):
