@@ -368,15 +368,15 @@ class ModelCheckpoint(Callback):
         self._last_saved_step = trainer.global_step
         self._last_save_time = time.monotonic()
 
+        self._write(trainer, path, stale, set_last=self.save_last or force_last)
+
+    def _write(self, trainer: Trainer, path: Path, stale: list[str], set_last: bool) -> None:
+        """Ask for checkpoint `path`; once it is durable (on a store: committed there), delete the local
+        checkpoints of `stale` that are still out of the ranking."""
         step = trainer.global_step
 
         def obsolete() -> list[str]:
             return [old for old in stale if old not in self.kept and old != self.last_model_path]
-
-        if self._shared is not None:  # committed on the store by process 0 once every process uploaded its part
-            names = {Path(p).name for p in (*self.kept, self.last_model_path) if p}
-            remove_obsolete = lambda: self._remove_all(obsolete())  # noqa: E731
-            self._shared.add(path, step, self.save_last or force_last, names, after=remove_obsolete)
 
         def after_write(written: Path) -> None:  # runs once `written` is complete and `last` names it
             if self._shared is not None:
@@ -388,15 +388,14 @@ class ModelCheckpoint(Callback):
             # queued before (its own among them) are done, on the upload thread.
             keep = {Path(p).name for p in (*self.kept, self.last_model_path) if p}
             remove = functools.partial(self._remove_all, obsolete())
-            self._mirror.submit(written, step, self.save_last or force_last, keep, after=remove)
+            self._mirror.submit(written, step, set_last, keep, after=remove)
 
         trainer.save_checkpoint(
-            path,
-            self.save_weights_only,
-            async_save=self.async_save,
-            set_last=self.save_last or force_last,
-            on_done=after_write,
+            path, self.save_weights_only, async_save=self.async_save, set_last=set_last, on_done=after_write
         )
+        if self._shared is not None:  # committed on the store by process 0 once every process uploaded its part
+            names = {Path(p).name for p in (*self.kept, self.last_model_path) if p}
+            self._shared.add(path, step, set_last, names, after=lambda: self._remove_all(obsolete()))
 
     def _admits(self, score: float | None) -> bool:
         if self.save_top_k == -1:

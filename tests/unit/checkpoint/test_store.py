@@ -85,6 +85,39 @@ def test_upload_writes_files_then_a_manifest_that_matches(tmp_path: Path, store:
     assert (tmp_path / "back" / "sub" / "__0_0.distcp").read_bytes() == b"tensors" * 100
 
 
+@pytest.mark.parametrize(
+    ("name", "rank"),
+    [("ember.pt", 0), (".metadata", 0), ("__0_0.distcp", 0), ("__1_0.distcp", 1), ("__12_3.distcp", 12),
+     ("rank-0.pt", 0), ("rank-7.pt", 7), ("sub/rank-1.pt", 0), ("__1_x.distcp", 0)],
+)  # fmt: skip
+def test_each_file_of_a_checkpoint_has_one_writing_process(name: str, rank: int) -> None:
+    assert manifest.writer_rank(name) == rank
+
+
+def test_parts_uploaded_by_several_processes_are_committed_by_one_manifest_listing_all(
+    tmp_path: Path, store: tuple[Any, str, str]
+) -> None:
+    fs, root, url = store
+    remote = f"{root}/step=4"
+    fs.pipe_file(f"{remote}/manifest.json", b"{}")  # an older checkpoint of the same name, being replaced
+    parts = []
+    by_rank = {1: ["__1_0.distcp", "rank-1.pt"], 0: ["ember.pt", ".metadata", "__0_0.distcp", "rank-0.pt"]}
+    for rank, files in by_rank.items():
+        local = tmp_path / f"machine-{rank}" / "step=4"  # no shared folder: each process has its own
+        local.mkdir(parents=True)
+        for name in files:
+            (local / name).write_bytes(name.encode() * (rank + 2))
+        parts += manifest.upload_files(fs, local, remote, files)
+        assert not fs.exists(f"{remote}/manifest.json")  # the old manifest went before the first file
+        assert manifest.committed(fs, remote, url) is None  # files alone commit nothing
+    written = manifest.write_manifest(fs, remote, parts, global_step=4)
+    assert [e["name"] for e in written["files"]] == sorted(e["name"] for e in parts)
+    assert manifest.committed(fs, remote, url) == written
+    assert {e["name"]: e["size"] for e in written["files"]}["__1_0.distcp"] == len(b"__1_0.distcp") * 3
+    local = manifest.fetch(url, fs, root, tmp_path / "cache")
+    assert sorted(p.name for p in local.iterdir()) == sorted(e["name"] for e in parts)
+
+
 def test_files_without_a_manifest_are_not_a_checkpoint(tmp_path: Path, store: tuple[Any, str, str]) -> None:
     fs, root, url = store
     # A writer killed after the files, before the manifest:
