@@ -87,6 +87,25 @@ w.section(out, "fsdp_stopped", lambda: fsdp(url + "/fsdp", ckpt_every=5, stop_at
 dist.barrier()
 machine("e")
 w.section(out, "fsdp_resumed", lambda: fsdp(url + "/fsdp", ckpt_every=5, ckpt_path="last", async_save=True))
+
+
+class KillAfterUpload(w.ember.Callback):  # rank 1, step 12: its files of step 10 on the store, then SIGKILL
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if rank == 1 and trainer.global_step == 12:
+            import signal, time
+            from ember.checkpoint.store import open_store
+
+            fs, root = open_store(trainer.run_url + "/checkpoints/epoch=0-step=10/__1_0.distcp")
+            deadline = time.monotonic() + 60
+            while not fs.exists(root) and time.monotonic() < deadline:
+                time.sleep(0.05)
+                fs.invalidate_cache()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+machine("f")
+fit(url + "/killed", ckpt_every=5, callbacks=[KillAfterUpload()])  # the job ends here: torchrun stops rank 0
 """
 
 
@@ -167,6 +186,21 @@ def test_an_fsdp_checkpoint_on_the_store_resumes_on_2_new_machines_bitwise(job: 
     assert _checkpoints(fs, root) == {"epoch=1-step=20": True}  # keep=1: step 15 evicted once 20 was committed
     listed = json.loads(fs.cat_file(f"{root}/epoch=1-step=20/{manifest.MANIFEST_FILE}"))
     assert {"__0_0.distcp", "__1_0.distcp", "rank-0.pt", "rank-1.pt"} <= {entry["name"] for entry in listed["files"]}
+
+
+def test_a_process_killed_after_its_upload_leaves_that_checkpoint_uncommitted(job: dict[str, Any], s3_env) -> None:
+    assert job["job"].returncode != 0  # rank 1 was killed, and torchrun stopped rank 0
+    url = f"{job['url']}/killed/shuffled/version_0/checkpoints"
+    fs, root = open_store(url)
+    found = _checkpoints(fs, root)
+    assert found.get("epoch=0-step=10") is False, found  # files on the store, no manifest: not a checkpoint
+    assert fs.exists(f"{root}/epoch=0-step=10/__1_0.distcp")
+    assert set(found) <= {"epoch=0-step=5", "epoch=0-step=10"}
+    newest = manifest.newest(fs, root, url)
+    if newest is not None:  # step 5 was committed at the save of step 10: it is what a reader takes
+        assert newest[0] == "epoch=0-step=5" and manifest.read_last(fs, root, url) == "epoch=0-step=5"
+        local = manifest.fetch(url + "/last", fs, root + "/last", Path(job["machines"]) / "reader")
+        assert sorted(p.name for p in local.iterdir()) == sorted(e["name"] for e in newest[1]["files"])
 
 
 class _LoadedWeights(ember.Callback):
