@@ -104,6 +104,9 @@ class KillAfterUpload(w.ember.Callback):  # rank 1, step 12: its files of step 1
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+os.environ["EMBER_CACHE"] = str(machines / "shared")  # both processes on one machine: one staging folder
+w.section(out, "shared", lambda: fit(url + "/shared", ckpt_every=5, max_steps=12, keep=2))
+
 machine("f")
 fit(url + "/killed", ckpt_every=5, callbacks=[KillAfterUpload()])  # the job ends here: torchrun stops rank 0
 """
@@ -131,13 +134,14 @@ def job(tmp_path_factory: pytest.TempPathFactory, s3_server_env: dict[str, str])
     out, machines = directory / "out", directory / "machines"
     cmd = harness.torchrun(script, str(out), str(machines), url)
     finished = harness.run(cmd, cwd=directory, timeout=300, env=harness.clean_env(s3_server_env))
-    sections = {}
-    for name in ("full", "stopped", "resumed", "failing", "fsdp_full", "fsdp_stopped", "fsdp_resumed"):
+    results = {}
+    sections = ("full", "stopped", "resumed", "failing", "fsdp_full", "fsdp_stopped", "fsdp_resumed", "shared")
+    for name in sections:
         try:
-            sections[name] = harness.results(out, name, 2, finished)
+            results[name] = harness.results(out, name, 2, finished)
         except AssertionError as exc:
             pytest.fail(str(exc), pytrace=False)
-    return {"url": url, "results": sections, "job": finished, "machines": machines}
+    return {"url": url, "results": results, "job": finished, "machines": machines}
 
 
 def _checkpoints(fs: Any, folder: str) -> dict[str, bool]:
@@ -186,6 +190,19 @@ def test_an_fsdp_checkpoint_on_the_store_resumes_on_2_new_machines_bitwise(job: 
     assert _checkpoints(fs, root) == {"epoch=1-step=20": True}  # keep=1: step 15 evicted once 20 was committed
     listed = json.loads(fs.cat_file(f"{root}/epoch=1-step=20/{manifest.MANIFEST_FILE}"))
     assert {"__0_0.distcp", "__1_0.distcp", "rank-0.pt", "rank-1.pt"} <= {entry["name"] for entry in listed["files"]}
+
+
+def test_processes_that_share_their_staging_folder_commit_the_same_way_and_keep_it_complete(
+    job: dict[str, Any], s3_env
+) -> None:
+    fs, root = open_store(f"{job['url']}/shared/shuffled/version_0/checkpoints")
+    assert _checkpoints(fs, root) == {"epoch=0-step=5": True, "epoch=0-step=10": True}
+    listed = json.loads(fs.cat_file(f"{root}/epoch=0-step=10/{manifest.MANIFEST_FILE}"))
+    names = sorted(entry["name"] for entry in listed["files"])
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "ember.pt", "rank-0.pt", "rank-1.pt"]
+    local = next((job["machines"] / "shared").rglob("checkpoints"))
+    assert sorted(p.name for p in (local / "epoch=0-step=10").iterdir()) == names  # rank 1 left its files there
+    assert (local / "last").read_text().strip() == "epoch=0-step=10"
 
 
 def test_a_process_killed_after_its_upload_leaves_that_checkpoint_uncommitted(job: dict[str, Any], s3_env) -> None:
