@@ -14,7 +14,8 @@ every process is at the same point and no step is running:
 
 - at each save (``ModelCheckpoint`` calls it before asking for the next checkpoint), without waiting for
   uploads in flight: a checkpoint every process has finished uploading is committed, the rest at a later
-  exchange (so the store's ``last`` trails the newest save by at most one save interval);
+  exchange (so the store's ``last`` trails the newest save by a save interval, more while an upload takes
+  longer than one);
 - at the end of fit and after a preemption save (``final=True``): every process first waits for its own
   uploads, so the last checkpoint is committed before fit returns.
 

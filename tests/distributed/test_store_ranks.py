@@ -107,6 +107,18 @@ class KillAfterUpload(w.ember.Callback):  # rank 1, step 12: its files of step 1
 os.environ["EMBER_CACHE"] = str(machines / "shared")  # both processes on one machine: one staging folder
 w.section(out, "shared", lambda: fit(url + "/shared", ckpt_every=5, max_steps=12, keep=2))
 
+def preempted():  # rank 1 alone gets SIGTERM: both save at the boundary they agree on, then commit and exit
+    try:
+        w.fit_shuffled(w.ddp(), url + "/preempted", ckpt_every=1000, max_epochs=None, max_steps=3000,
+                       callbacks=[w.SignalAt(1, 5)])
+    except SystemExit as exc:
+        return {"code": exc.code}
+    return {"code": None}
+
+
+machine("g")
+w.section(out, "preempted", preempted)
+
 machine("f")
 fit(url + "/killed", ckpt_every=5, callbacks=[KillAfterUpload()])  # the job ends here: torchrun stops rank 0
 """
@@ -135,8 +147,8 @@ def job(tmp_path_factory: pytest.TempPathFactory, s3_server_env: dict[str, str])
     cmd = harness.torchrun(script, str(out), str(machines), url)
     finished = harness.run(cmd, cwd=directory, timeout=300, env=harness.clean_env(s3_server_env))
     results = {}
-    sections = ("full", "stopped", "resumed", "failing", "fsdp_full", "fsdp_stopped", "fsdp_resumed", "shared")
-    for name in sections:
+    sections = ["full", "stopped", "resumed", "failing", "shared", "preempted"]
+    for name in [*sections, "fsdp_full", "fsdp_stopped", "fsdp_resumed"]:
         try:
             results[name] = harness.results(out, name, 2, finished)
         except AssertionError as exc:
@@ -203,6 +215,17 @@ def test_processes_that_share_their_staging_folder_commit_the_same_way_and_keep_
     local = next((job["machines"] / "shared").rglob("checkpoints"))
     assert sorted(p.name for p in (local / "epoch=0-step=10").iterdir()) == names  # rank 1 left its files there
     assert (local / "last").read_text().strip() == "epoch=0-step=10"
+
+
+def test_a_preempted_job_commits_its_preemption_checkpoint_before_it_exits(job: dict[str, Any], s3_env) -> None:
+    assert [r["code"] for r in job["results"]["preempted"]] == [75, 75]  # both processes stopped for it
+    url = f"{job['url']}/preempted/shuffled/version_0/checkpoints"
+    fs, root = open_store(url)
+    name = manifest.read_last(fs, root, url)
+    assert name is not None and _checkpoints(fs, root) == {name: True}
+    listed = json.loads(fs.cat_file(f"{root}/{name}/{manifest.MANIFEST_FILE}"))
+    assert listed["global_step"] >= 5 and name.endswith(f"step={listed['global_step']}")
+    assert {"__0_0.distcp", "__1_0.distcp", "rank-0.pt", "rank-1.pt"} <= {e["name"] for e in listed["files"]}
 
 
 def test_a_process_killed_after_its_upload_leaves_that_checkpoint_uncommitted(job: dict[str, Any], s3_env) -> None:
