@@ -61,7 +61,10 @@ class ModelCheckpoint(Callback):
       uploaded in the background and committed on the store by a manifest
       written last (`ember.checkpoint.mirror`); the store's ``last`` follows,
       and evicted checkpoints leave the store too. Resume anywhere with
-      ``ckpt_path="s3://bucket/ckpts/last"``.
+      ``ckpt_path="s3://bucket/ckpts/last"``. With several processes no
+      local folder need be shared: each uploads the files it wrote and
+      process 0 commits the checkpoint once all reported
+      (`ember.checkpoint.shared_commit`).
 
     `best_model_path` / `best_model_score` name the best checkpoint; the
     callback's own state (kept checkpoints, best score) survives a resume.
