@@ -274,3 +274,16 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("fsspec", "s3fs", "bo
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
     assert len(list((tmp_path / "tiny").glob("version_*/checkpoints/epoch=*"))) >= 1
+
+
+def test_a_resume_on_a_new_machine_keeps_the_ranking_of_the_checkpoints_on_the_store(tmp_path: Path, url: str) -> None:
+    """The kept checkpoints are named in the state by the paths of the machine that saved them: matched by name
+    in the store folder, the resumed run still keeps them (save_top_k=-1 keeps all) instead of evicting them."""
+    keep_all = lambda: ModelCheckpoint(dirpath=url, every_n_train_steps=2, save_top_k=-1)  # noqa: E731
+    _fit(tmp_path / "machine-a", 4, [keep_all()])
+    assert _committed(url) == {"epoch=0-step=2": 2, "epoch=0-step=4": 4}
+    saver = keep_all()
+    _fit(tmp_path / "machine-b", 8, [saver], ckpt_path="last")
+    committed = _committed(url)
+    assert sorted(committed.values()) == [2, 4, 6, 8]  # the first machine's two kept as well
+    assert sorted(Path(p).name for p in saver.kept) == sorted(committed)
