@@ -154,7 +154,7 @@ class ThroughputMonitor(Callback):
         A window runs from one logged step's ``on_before_optimizer_step`` to the
         next, so it spans whole steps: it counts the batches started in it.
         """
-        if (trainer.global_step + 1) % trainer.log_every_n_steps:
+        if not trainer.logs_this_batch:
             return
         self._sync()
         now = time.perf_counter()

@@ -86,3 +86,27 @@ def test_a_checkpoint_of_an_older_version_counts_its_optimizer_steps() -> None:
     assert (state.global_step, state.batches_that_stepped) == (12, 12)
     state.load_state_dict({**state.state_dict(), "global_step": 20, "batches_that_stepped": 10})
     assert (state.global_step, state.batches_that_stepped) == (20, 10)
+
+
+class Due(ember.Callback):
+    """Records ``trainer.logs_this_batch`` at each training batch's start."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_train_batch_start(self, trainer: ember.Trainer, module: ember.TrainingModule, batch: Any, idx: int) -> None:
+        self.seen.append(trainer.logs_this_batch)
+
+
+def test_logs_this_batch_follows_the_loggers_axis_under_manual_optimization(tmp_path: Path) -> None:
+    """Three optimizer steps per two batches: the batches the loggers write are every third batch, as the rows
+    show, and `logs_this_batch` (which LearningRateMonitor, ThroughputMonitor and GradientMonitor read) says so
+    for exactly those batches."""
+    due, logger = Due(), Rows()
+    trainer = ember.Trainer(
+        max_epochs=2, log_every_n_steps=3, logger=logger, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, callbacks=[due],
+    )  # fmt: skip
+    trainer.fit(TwoOptimizers(), data())
+    assert due.seen == [(batch + 1) % 3 == 0 for batch in range(10)]
+    assert [s for s, names in logger.rows if names == ["loss_step"]] == [2, 5, 8]
