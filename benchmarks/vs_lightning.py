@@ -4,6 +4,7 @@
     python benchmarks/vs_lightning.py --quick         # CI: one round, no warm-up (the figures mean nothing)
     python benchmarks/vs_lightning.py --markdown      # also print the table docs/benchmarks.md shows
     python benchmarks/vs_lightning.py --modules lit_gan,demos.BoringModel --rounds 20 --json figures.json
+    python benchmarks/vs_lightning.py --only lit_backbone --rounds 30   # repeat one module whose ratio is near 1
     python benchmarks/vs_lightning.py --alternate epoch  # hand over at every epoch instead of every run
 
 The modules are those tests/compat/real/test_real_modules.py trains: every ``lit_*.py`` corpus module and the
@@ -536,7 +537,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", "--short", action="store_true", help="one round, no warm-up (for CI)")
     parser.add_argument("--rounds", type=int, default=None, help="counted rounds per module (default 10; quick 1)")
     parser.add_argument("--warmup", type=int, default=None, help="rounds thrown away first (default 1; quick 0)")
-    parser.add_argument("--modules", default=None, help="comma-separated module names (default: all)")
+    parser.add_argument(
+        "--modules", "--only", default=None, help="comma-separated module names (default: all; --only lit_gan)"
+    )
     parser.add_argument(
         "--alternate", choices=("run", "epoch"), default="run", help="hand over after every run (default) or epoch"
     )

@@ -46,7 +46,7 @@ class GradientMonitor(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, module: TrainingModule, optimizer: Optimizer) -> None:
         """On logged steps, log the norm of the gradients `optimizer` is about to apply."""
-        if (trainer.global_step + 1) % trainer.log_every_n_steps:
+        if not trainer.logs_this_batch:
             return
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not params:

@@ -89,7 +89,7 @@ class LearningRateMonitor(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, module: TrainingModule, optimizer: Optimizer) -> None:
         """On logged steps, record the values this step is about to use (of every optimizer)."""
-        if self._interval == "step" and (trainer.global_step + 1) % trainer.log_every_n_steps == 0:
+        if self._interval == "step" and trainer.logs_this_batch:
             for opt in trainer.optimizers:
                 for name, value in self.values(opt).items():
                     module.log(name, exact(value), on_step=True, on_epoch=False)

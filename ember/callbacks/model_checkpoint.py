@@ -204,13 +204,19 @@ class ModelCheckpoint(Callback):
             return False
 
     def _remove_in_background(self, paths: list[str]) -> None:
-        """Delete evicted checkpoints on a thread of their own: a large checkpoint takes a while to delete,
-        and the loop need not wait for it (`teardown` and the next eviction do)."""
+        """Delete evicted checkpoints on a thread of their own, once the deletions asked for before have ended: a
+        checkpoint takes a while to delete (each fsynced file's unlink waits on the disk), and the loop need not
+        wait for it (`teardown` does)."""
         if not paths:
             return
-        self._wait_for_removals()
-        self._removing = threading.Thread(target=self._remove_all, args=(paths,), name="ember-evict", daemon=True)
+        args = (self._removing, paths)
+        self._removing = threading.Thread(target=self._remove_after, args=args, name="ember-evict", daemon=True)
         self._removing.start()
+
+    def _remove_after(self, previous: threading.Thread | None, paths: list[str]) -> None:
+        if previous is not None:
+            previous.join()
+        self._remove_all(paths)
 
     def _wait_for_removals(self) -> None:
         removing, self._removing = self._removing, None

@@ -77,7 +77,7 @@ def measure_flops(forward_fn: Callable[[], Any], loss_fn: Callable[[Any], Tensor
 
 
 class ThroughputMonitor(Callback):
-    """Logs training throughput on the trainer's logging steps (every ``log_every_n_steps`` optimizer steps).
+    """Logs training throughput on the trainer's logging steps (``trainer.logs_this_batch``).
 
     Logged per process, as the mean over the batches since the previous
     logged step (time spent in validation is left out):
@@ -154,7 +154,7 @@ class ThroughputMonitor(Callback):
         A window runs from one logged step's ``on_before_optimizer_step`` to the
         next, so it spans whole steps: it counts the batches started in it.
         """
-        if (trainer.global_step + 1) % trainer.log_every_n_steps:
+        if not trainer.logs_this_batch:
             return
         self._sync()
         now = time.perf_counter()

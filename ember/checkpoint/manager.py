@@ -52,6 +52,22 @@ class _Request:
     on_done: OnDone | None
 
 
+#: Staged checkpoints whose finish (fsyncs, rename, ``last``) may be in flight at once, the newest included:
+#: a save waits only for the finishes before the previous one, so an epoch shorter than a finish (which
+#: waits on the disk for three journal commits) does not wait for its predecessor's.
+FINISHES_IN_FLIGHT = 3
+
+
+@dataclass
+class _Background:
+    """One write on a background thread; it starts once the write before it (`previous`) has ended."""
+
+    path: Path
+    previous: _Background | None
+    thread: threading.Thread | None = None
+    failed: bool = False
+
+
 class CheckpointManager:
     """Finds, writes and restores the checkpoints of one trainer; writes happen at step boundaries, optionally in
     a background thread.
@@ -60,23 +76,27 @@ class CheckpointManager:
     the end of the current accumulation window (after its validation, if due)
     or the end of the epoch (after epoch schedulers stepped). A checkpoint
     therefore always describes a point where training can continue exactly.
-    At most one background write is in flight; the next save, the end of fit
+    At most one async write is in flight; the next save, the end of fit
     and a preemption wait for it, and its error is raised there.
 
     A save that is not ``async_save`` writes every file at the boundary. In one
     process inside fit, what is left after that (fsyncs, the rename into place,
     ``last``) is waiting on the disk, and runs on a background thread like an
     async write's, so the loop does not wait for the disk; outside fit, and
-    with several processes, the save is complete when it returns.
+    with several processes, the save is complete when it returns. Up to
+    `FINISHES_IN_FLIGHT` such finishes are in flight, one after another in the
+    order of the saves: the next save waits only for the ones before the
+    previous, and a failure is raised at the first save (or the end of fit)
+    after it. A checkpoint whose predecessor failed is removed unfinished, so
+    none ever lands after one that failed.
     """
 
     def __init__(self) -> None:
         self.pending: list[_Request] = []
-        self._thread: threading.Thread | None = None
+        self._writes: list[_Background] = []  # in flight, oldest first; each starts once the one before ended
         self._error: BaseException | None = None
         self._after_background: list[tuple[OnDone, Path]] = []
         self._waits_at_exit = False
-        self._in_flight: Path | None = None  # the checkpoint the background thread is writing
         #: Copies of the last async snapshot, reused by the next one (`release` frees them).
         self._staging: dict[str, Tensor] = {}
         #: This process's claim on the run directory fit writes into (`claim_run`); None outside fit.
@@ -85,7 +105,7 @@ class CheckpointManager:
         self._store_lock: StoreRunLock | None = None
 
     def request(self, path: Path, weights_only: bool, async_save: bool, set_last: bool, on_done: OnDone | None) -> None:
-        if any(r.path == path for r in self.pending) or path == self._in_flight or path.exists():
+        if any(r.path == path for r in self.pending) or any(w.path == path for w in self._writes) or path.exists():
             raise FileExistsError(f"a checkpoint at {path} exists already; ember never overwrites one")
         if set_last:
             ckpt.check_last_replaceable(path.parent)
@@ -108,7 +128,8 @@ class CheckpointManager:
                 raise
         requests, self.pending = self.pending, []
         for req in requests:
-            self.wait()
+            staged = not req.async_save and trainer.training and trainer.world_size == 1
+            self._wait_until(FINISHES_IN_FLIGHT - 1 if staged else 0)
             if trainer.is_global_zero:
                 trainer.run_state.logger_guard.save(wait=True)  # the logs on disk match the checkpoint
             req.on_done = _telling_loggers(trainer, req.on_done)  # e.g. W&B uploads it as an artifact
@@ -116,19 +137,23 @@ class CheckpointManager:
             snapshot = registry.gather(trainer, module, req.weights_only, copy=req.async_save, staging=staging)
             if req.async_save:
                 self._start(req, functools.partial(self._write, req, snapshot), snapshot.rank, low_priority=True)
-            elif trainer.training and snapshot.world_size == 1:
-                self._start(req, registry.stage(req.path, snapshot, req.set_last).finish, 0, low_priority=False)
+            elif staged:
+                self._start(req, registry.stage(req.path, snapshot, req.set_last), 0, low_priority=False)
             else:
                 self._write(req, snapshot)
                 if req.on_done is not None and snapshot.rank == 0:
                     req.on_done(req.path)
 
-    def _start(self, req: _Request, work: Callable[[], object], rank: int, low_priority: bool) -> None:
-        """Run `work` (the rest of `req`'s write) on the background thread."""
-        self._in_flight = req.path
-        args = (req, work, rank, low_priority)
-        self._thread = threading.Thread(target=self._run_in_background, args=args, daemon=True)
-        self._thread.start()
+    def _start(
+        self, req: _Request, work: Callable[[], object] | ckpt.StagedCheckpoint, rank: int, low_priority: bool
+    ) -> None:
+        """Run `work` (the rest of `req`'s write: a call, or a staged checkpoint to finish) on a background
+        thread, once the writes in flight before it have ended."""
+        write = _Background(req.path, self._writes[-1] if self._writes else None)
+        args = (write, req, work, rank, low_priority)
+        write.thread = threading.Thread(target=self._run_in_background, args=args, daemon=True)
+        self._writes.append(write)
+        write.thread.start()
         if not self._waits_at_exit:  # e.g. a save asked for after fit: nothing else would wait for it
             atexit.register(self._finish_at_exit)
             self._waits_at_exit = True
@@ -137,14 +162,32 @@ class CheckpointManager:
     def _write(req: _Request, snapshot: registry.Snapshot) -> None:
         registry.write(req.path, snapshot, req.set_last)
 
-    def _run_in_background(self, req: _Request, work: Callable[[], object], rank: int, low_priority: bool) -> None:
+    def _run_in_background(
+        self,
+        write: _Background,
+        req: _Request,
+        work: Callable[[], object] | ckpt.StagedCheckpoint,
+        rank: int,
+        low_priority: bool,
+    ) -> None:
+        previous = write.previous
+        write.previous = None  # the chain of ended writes is not kept alive
+        if previous is not None and previous.thread is not None:
+            previous.thread.join()
+        if previous is not None and previous.failed:  # never a checkpoint after one that failed
+            write.failed = True
+            if isinstance(work, ckpt.StagedCheckpoint):
+                work.abandon()
+            return
         if low_priority:  # a whole async write: the step loop keeps the CPU, the writer takes what is left
             with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
-            work()
+            work.finish() if isinstance(work, ckpt.StagedCheckpoint) else work()
         except BaseException as exc:  # handed to the main thread in wait()
-            self._error = exc
+            write.failed = True
+            if self._error is None:
+                self._error = exc
         else:
             if req.on_done is not None and rank == 0:
                 self._after_background.append((req.on_done, req.path))
@@ -162,11 +205,16 @@ class CheckpointManager:
         self._staging = {}
 
     def wait(self) -> None:
-        """Block until the background write (if any) is finished; raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-            self._in_flight = None
+        """Block until every background write is finished; raise the first error."""
+        self._wait_until(0)
+
+    def _wait_until(self, in_flight: int) -> None:
+        """Block until at most `in_flight` background writes are left; call what the ended ones asked for when
+        done, and raise the first error of a write that ended."""
+        while len(self._writes) > in_flight:
+            thread = self._writes.pop(0).thread
+            if thread is not None:
+                thread.join()
         done, self._after_background = self._after_background, []
         for on_done, path in done:
             on_done(path)

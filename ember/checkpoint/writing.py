@@ -220,6 +220,10 @@ class StagedCheckpoint:
             _raise_write_error(self.path, exc)
         return self.path
 
+    def abandon(self) -> None:
+        """Remove the files without making them a checkpoint (a checkpoint saved before this one failed)."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
 
 def _temporary_name(path: Path, pid: int) -> Path:
     """Where checkpoint `path` is written before it is complete: hidden, and named after the writing process

@@ -35,7 +35,8 @@ class Logger:
     """Receives metrics as floats and hyperparameters; writes them somewhere.
 
     The trainer calls loggers on the global-zero process only, every
-    ``log_every_n_steps`` optimizer steps and at epoch ends. Subclasses
+    ``log_every_n_steps`` optimizer steps (batches under manual optimization) and at
+    epoch ends, at Lightning's step (``Trainer.logs_this_batch``). Subclasses
     implement `log_metrics` and may implement the rest.
 
     A logger built without ``save_dir`` writes into the trainer's run

@@ -73,10 +73,14 @@ STOP_REASONS = ("max_epochs", "max_steps", "max_time", "should_stop")
 
 @dataclass
 class FitState:
-    """Where a trainer's fits stand. Written by this module alone; checkpointed (the first four fields).
+    """Where a trainer's fits stand. Written by this module alone; checkpointed (the first five fields).
 
     - ``epoch``: index of the current training epoch (0-based).
     - ``global_step``: optimizer steps taken since the run began.
+    - ``batches_that_stepped``: the loggers' step axis, Lightning's: accumulation windows that ended with an
+      optimizer step (automatic optimization) or that ended at all (manual optimization, whether the module
+      stepped 0, 1 or several optimizers in it). Under automatic optimization it equals ``global_step``; under
+      manual optimization with two ``step()`` calls per batch (a GAN) it counts batches, ``global_step`` steps.
     - ``batch_idx``: micro-batches finished in the current epoch.
     - ``validated_after``: index of the batch after which validation last ran in this epoch (-1: not yet),
       so a resumed run neither repeats nor skips it.
@@ -92,6 +96,7 @@ class FitState:
 
     epoch: int = 0
     global_step: int = 0
+    batches_that_stepped: int = 0
     batch_idx: int = 0
     validated_after: int = -1
     stop_reason: str | None = None
@@ -105,6 +110,7 @@ class FitState:
         return {
             "epoch": self.epoch,
             "global_step": self.global_step,
+            "batches_that_stepped": self.batches_that_stepped,
             "batch_idx": self.batch_idx,
             "validated_after": self.validated_after,
             "skipped_batches": self.skipped_positions(),
@@ -112,6 +118,8 @@ class FitState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
+        # absent from checkpoints of older versions: their loggers' axis was the optimizer steps
+        self.batches_that_stepped = int(state.get("batches_that_stepped", self.global_step))
         self.batch_idx, self.validated_after = int(state["batch_idx"]), int(state["validated_after"])
         self.skipped = {}
         self.skip_batches(state.get("skipped_batches", []))  # absent from checkpoints of older versions
@@ -144,6 +152,11 @@ class FitState:
         """An optimizer step was taken: its gradients are used."""
         self.global_step += 1
         self.window_has_grads = False
+
+    def count_batch_that_stepped(self) -> int:
+        """A batch ended a window that counts on the loggers' axis (see ``batches_that_stepped``); the new count."""
+        self.batches_that_stepped += 1
+        return self.batches_that_stepped
 
 
 def stop_point(state: FitState, max_epochs: int | None, max_steps: int) -> str:
@@ -399,6 +412,8 @@ class FitLoop:
         epoch_schedulers = self.steps_epoch_schedulers_in_batches()  # as in Lightning: before on_train_batch_end
         validate_after = self.validate_after if validates else None
         accumulate, last = plan.accumulate, plan.num_batches - 1  # plan.ends_window, inlined
+        manual = not self.module.automatic_optimization  # every window counts for the loggers, stepped or not
+        counts = progress.count_batch_that_stepped
         for batch_idx, batch in batches:
             if to_device is not None:
                 batch = to_device(batch)
@@ -410,13 +425,14 @@ class FitLoop:
             progress.batch_idx = batch_idx + 1
             if epoch_schedulers and batch_idx == last:
                 step_schedulers(self, "epoch", plateau=False)
-            if progress.global_step != steps_before and progress.global_step % log_every == 0:
+            ends_window = (batch_idx + 1) % accumulate == 0 or batch_idx == last
+            if (progress.global_step != steps_before or (manual and ends_window)) and counts() % log_every == 0:
                 log(step_metrics())
             if batch_end is not None:
                 batch_end(detached(output), batch, batch_idx)
             if validate_after is not None and plan.validates_after(batch_idx):
                 validate_after(batch_idx)
-            if ((batch_idx + 1) % accumulate == 0 or batch_idx == last) and self.window_ended(batch_idx):
+            if ends_window and self.window_ended(batch_idx):
                 break
 
     def steps_epoch_schedulers_in_batches(self) -> bool:

@@ -74,10 +74,11 @@ class Reporter:
         return to_floats({k: v for k, v in merged.items() if k in names})
 
     def logger_step(self) -> int:
-        """The step the loggers get, Lightning's axis: inside fit, the optimizer steps taken *before* the one that
-        logged (the first step's row is step 0, an epoch end's is its last step's); outside fit (validate, test
-        after fit), the optimizer steps taken."""
-        steps = self.trainer.progress.global_step
+        """The step the loggers get, Lightning's axis (``FitState.batches_that_stepped``: optimizer steps under
+        automatic optimization, batches under manual optimization, however many ``step()`` calls each made):
+        inside fit, those taken *before* the batch that logged (the first batch's row is step 0, an epoch end's is
+        its last batch's); outside fit (validate, test after fit), those taken."""
+        steps = self.trainer.progress.batches_that_stepped
         return max(steps - 1, 0) if self.trainer.stage == "fit" else steps
 
     def logged_metrics(self) -> dict[str, float]:

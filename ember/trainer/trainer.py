@@ -159,6 +159,13 @@ class Trainer:
         return self._fit_state.global_step
 
     @property
+    def logs_this_batch(self) -> bool:
+        """Whether the loggers write the step values of the training batch now running: every
+        ``log_every_n_steps`` on the loggers' axis (``progress.batches_that_stepped``: optimizer steps, or batches
+        under manual optimization), as Lightning's loggers do. Callbacks that log on the loggers' cadence read it."""
+        return (self._fit_state.batches_that_stepped + 1) % self.options.log_every_n_steps == 0
+
+    @property
     def current_epoch(self) -> int:
         """Index of the current training epoch (0-based)."""
         return self._fit_state.epoch

@@ -730,6 +730,25 @@ def test_logged_metrics_and_logger_steps_are_lightnings(every: int, steps: int) 
     assert seen[ember.TrainingModule] == seen[pl.LightningModule]
 
 
+def _rows_of(base: type) -> type:
+    """A logger class on `base` (Lightning's ``Logger`` or ember's) that records every row: (step, sorted names)."""
+
+    class Rows(base):  # type: ignore[valid-type, misc]
+        name, version = "r", 0
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[tuple[int, list[str]]] = []
+
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            self.rows.append((int(step or 0), sorted(k for k in metrics if k != "epoch")))
+
+    return Rows
+
+
 @pytest.mark.parametrize("every", [1, 3])
 def test_logger_rows_of_validation_epoch_ends_and_test_are_at_lightnings_steps(every: int) -> None:
     """Every row a logger gets (its step and the names in it): step rows, validation inside fit every 2 batches,
@@ -747,22 +766,6 @@ def test_logger_rows_of_validation_epoch_ends_and_test_are_at_lightnings_steps(e
     def test_step(self: Any, batch: Any, batch_idx: int) -> None:
         self.log("test_loss", _loss(self, batch))
 
-    def rows_of(base: type) -> type:
-        class Rows(base):  # type: ignore[valid-type, misc]
-            name, version = "r", 0
-
-            def __init__(self) -> None:
-                super().__init__()
-                self.rows: list[tuple[int, list[str]]] = []
-
-            def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-                pass
-
-            def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-                self.rows.append((int(step or 0), sorted(k for k in metrics if k != "epoch")))
-
-        return Rows
-
     steps = {"training_step": training_step, "validation_step": validation_step, "test_step": test_step}
     seen = {}
     quiet = {"enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False}
@@ -770,7 +773,7 @@ def test_logger_rows_of_validation_epoch_ends_and_test_are_at_lightnings_steps(e
         (pl.LightningModule, pl, LightningLogger),
         (ember.TrainingModule, ember, ember.loggers.Logger),
     ):
-        logger = rows_of(logger_base)()
+        logger = _rows_of(logger_base)()
         options = {"accelerator": "cpu", "devices": 1} if fw is pl else {}
         trainer = fw.Trainer(
             max_epochs=2, log_every_n_steps=every, val_check_interval=2, logger=logger, **quiet, **options
@@ -784,3 +787,63 @@ def test_logger_rows_of_validation_epoch_ends_and_test_are_at_lightnings_steps(e
     first_step_row = next(step for step, names in ember_rows if names == ["loss_step"])
     assert first_step_row == every - 1  # optimizer step N's row is step N - 1: with every=1, step 0
     assert ember_rows[-1] == (8, ["test_loss"])  # 2 epochs x 4 batches, then test
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_logger_rows_of_manual_optimization_with_several_steps_per_batch_are_lightnings(every: int) -> None:
+    """A GAN-like module under manual optimization: two optimizers, stepped 2, 1 or 0 times per batch. The
+    loggers get Lightning's rows (step and names): one per batch that logs, at the batches taken before it,
+    every `every` batches, epoch ends and validation at the same steps, and ``test()`` at the batches taken;
+    ``global_step`` counts every optimizer step, as in Lightning."""
+    from lightning.pytorch.loggers import Logger as LightningLogger
+
+    def configure_optimizers(self: Any) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.05), torch.optim.SGD(self.net[2].parameters(), lr=0.05)]
+
+    def training_step(self: Any, batch: Any, batch_idx: int) -> None:
+        first, second = self.optimizers()
+        loss = _loss(self, batch)
+        self.manual_backward(loss)
+        if batch_idx % 3 != 2:  # per epoch of 6 batches: 2, 1, 1, 1, 2 and 0 steps
+            first.step()
+        if batch_idx % 2 == 0:
+            second.step()
+        first.zero_grad()
+        second.zero_grad()
+        self.log("loss", loss, on_step=True, on_epoch=True)
+
+    def validation_step(self: Any, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", _loss(self, batch))
+
+    def test_step(self: Any, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", _loss(self, batch))
+
+    methods = {
+        "configure_optimizers": configure_optimizers,
+        "training_step": training_step,
+        "validation_step": validation_step,
+        "test_step": test_step,
+    }
+    seen, steps = {}, {}
+    quiet = {"enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False}
+    for base, fw, logger_base in (
+        (pl.LightningModule, pl, LightningLogger),
+        (ember.TrainingModule, ember, ember.loggers.Logger),
+    ):
+        logger = _rows_of(logger_base)()
+        options = {"accelerator": "cpu", "devices": 1} if fw is pl else {}
+        trainer = fw.Trainer(
+            max_epochs=2, log_every_n_steps=every, val_check_interval=3, logger=logger, **quiet, **options
+        )
+        module = _regressor(base, **methods)
+        module.automatic_optimization = False
+        trainer.fit(module, _data(n=24, batch_size=4), _data(n=8, batch_size=4, seed=1))
+        steps[base] = trainer.global_step
+        trainer.test(module, _data(n=8, batch_size=4, seed=2))
+        seen[base] = logger.rows
+    ember_rows = seen[ember.TrainingModule]
+    assert ember_rows == seen[pl.LightningModule]
+    assert steps[ember.TrainingModule] == steps[pl.LightningModule] == 2 * (2 + 1 + 1 + 1 + 2 + 0)  # 2 x 6 batches
+    step_rows = [step for step, names in ember_rows if names == ["loss_step"]]
+    assert step_rows == list(range(every - 1, 12, every))  # a row every `every` batches, whatever stepped
+    assert ember_rows[-1] == (12, ["test_loss"])  # 2 epochs x 6 batches, then test

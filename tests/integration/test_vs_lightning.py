@@ -106,7 +106,7 @@ def test_epoch_alternation_and_a_module_subset(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_an_unknown_module_is_one_line_and_exit_2(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--modules", "lit_nope"], capture_output=True, text=True, timeout=300
+        [sys.executable, str(SCRIPT), "--only", "lit_nope"], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 2
     assert "unknown module(s) lit_nope; choose from lit_gan," in done.stderr

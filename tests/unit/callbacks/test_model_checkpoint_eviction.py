@@ -56,3 +56,32 @@ def test_evicted_checkpoints_are_deleted_off_the_loop_and_gone_when_fit_returns(
     assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == [
         "epoch=1-step=5", "epoch=1-step=6", "last",
     ]  # fmt: skip
+
+
+def test_an_eviction_does_not_wait_for_the_deletions_before_it_which_end_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first deletion is held: asking for two more returns at once, and the deletions run in the order they
+    were asked for; `teardown` waits for all of them."""
+    gate, deleted = threading.Event(), []
+    rmtree = shutil.rmtree
+
+    def held(path: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(path).name == "epoch=0-step=1":
+            assert gate.wait(timeout=30), "the gate was never opened"
+        rmtree(path, *args, **kwargs)
+        deleted.append(Path(path).name)
+
+    monkeypatch.setattr(model_checkpoint.shutil, "rmtree", held)
+    saver = ModelCheckpoint(tmp_path)
+    names = [f"epoch=0-step={s}" for s in (1, 2, 3)]
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "ember.pt").write_bytes(b"")
+    for name in names:
+        saver._remove_in_background([str(tmp_path / name)])  # returns while the first deletion is held
+    assert deleted == []
+    gate.set()
+    saver.teardown(ember.Trainer(logger=False), Tiny(), "fit")
+    assert deleted == names
+    assert list(tmp_path.iterdir()) == []
