@@ -12,9 +12,16 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
+from ember import Callback, Trainer, TrainingModule
+from ember.callbacks.model_checkpoint import ModelCheckpoint
 from ember.checkpoint import CheckpointWriteError, manifest
 from ember.checkpoint.mirror import StoreMirror
 from ember.checkpoint.store import open_store
@@ -168,3 +175,56 @@ def test_the_worker_ends_when_the_training_process_is_killed(tmp_path: Path) -> 
         assert _alive(holder)  # its input stayed open: the worker saw its parent die, not an end of input
     finally:
         os.kill(holder, signal.SIGKILL)
+
+
+class _Tiny(TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(3, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _EndAtStep3(Callback):
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == 3 and self.how == "error":
+            raise RuntimeError("boom at step 3")
+        if trainer.global_step == 3 and self.how == "preempted":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize(("how", "raised", "last"), [
+    ("finished", None, "epoch=0-step=5"),
+    ("error", RuntimeError, "epoch=0-step=2"),  # step 3's save is asked for after the hook that raised
+    ("preempted", SystemExit, "epoch=0-step=3"),
+])  # fmt: skip
+def test_the_worker_is_ended_and_joined_when_fit_ends_however_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, raised: type[BaseException] | None, last: str
+) -> None:
+    started: list[UploadProcess] = []
+    init = UploadProcess.__init__
+
+    def recording(self: UploadProcess, url: str) -> None:
+        init(self, url)
+        started.append(self)
+
+    monkeypatch.setattr(UploadProcess, "__init__", recording)
+    url = f"file://{tmp_path}/store"
+    saver = ModelCheckpoint(dirpath=url, every_n_train_steps=1, async_save=True)
+    trainer = Trainer(max_steps=5, default_root_dir=tmp_path / "runs", callbacks=[saver, _EndAtStep3(how)],
+                      logger=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(20, 3, generator=g), torch.randn(20, 1, generator=g)), batch_size=4)
+    with pytest.raises(raised) if raised is not None else contextlib.nullcontext():
+        trainer.fit(_Tiny(), loader)
+    assert len(started) == 1
+    assert started[0]._proc.poll() is not None  # ended, and reaped: nothing left running
+    assert manifest.read_last(*open_store(url), url) == last  # what was queued was uploaded before the end
