@@ -85,6 +85,13 @@ class StoreMirror:
                 self._queue.task_done()
         self._queue.task_done()
 
+    def wait_ready(self) -> None:
+        """Block until an upload would start at once: the worker process has imported the store's client and
+        opened the store (about a second after the mirror is made). Nothing needs this to be correct;
+        uploads asked for earlier wait in the queue."""
+        if self._process is not None:
+            self._process.imported()
+
     @property
     def upload_pid(self) -> int | None:
         """The process id of the worker that uploads (None when the thread uploads itself)."""

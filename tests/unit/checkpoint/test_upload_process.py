@@ -71,6 +71,8 @@ def test_a_store_outside_this_process_is_uploaded_in_order_by_a_worker_process_w
 ) -> None:
     pid = mirror.upload_pid
     assert pid is not None and pid != os.getpid()
+    mirror.wait_ready()  # the worker answered: started, its store opened
+    assert _alive(pid)
     events: list[str] = []
     for step in (1, 2, 3):
         keep = {f"s{step - 1}", f"s{step}"}  # top-2: s1 is evicted once s3 is committed
