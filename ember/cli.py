@@ -362,17 +362,20 @@ def run(command: str, trainer: Trainer, module: TrainingModule, data: DataModule
         path = trainer.run_dir / name
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(predictions, path)
+        saved = str(path) if trainer.world_size == 1 else str(path.with_name(path.name.replace("rank0", "rank*")))
         if trainer.run_url is not None:  # the run lives on a store: the outputs go beside its logs there
             from ember.checkpoint.run_store import upload_file
+            from ember.checkpoint.store import join, redact
 
             try:
                 upload_file(trainer.run_dir, trainer.run_url, path)
+                shown_name = Path(saved).relative_to(trainer.run_dir).as_posix()
+                saved = f"{redact(join(trainer.run_url, shown_name))} (staged in {saved})"
             except OSError as exc:
                 print(f"ember: warning: could not copy {path} to the store ({exc}); copy it by hand", file=sys.stderr)
         n = len(predictions)
         elapsed = time.perf_counter() - start
         if trainer.is_global_zero:
-            saved = path if trainer.world_size == 1 else path.with_name(path.name.replace("rank0", "rank*"))
             print(f"predict done in {elapsed:.1f} s: {_count(n, 'batch')} of outputs saved to {saved}")
         return
     else:
@@ -385,7 +388,7 @@ def run(command: str, trainer: Trainer, module: TrainingModule, data: DataModule
         shown = _NOTHING_TO_DO if finished else "no metrics"
     elapsed = time.perf_counter() - start
     if trainer.is_global_zero:
-        print(f"{command} done in {elapsed:.1f} s ({where}): {shown}; run dir {trainer.run_dir}")
+        print(f"{command} done in {elapsed:.1f} s ({where}): {shown}; {run_location(trainer)}")
         if command == "fit" and shown != _NOTHING_TO_DO:
             print(describe_stop(trainer))
 
@@ -415,7 +418,22 @@ def describe_stop(trainer: Trainer) -> str:
     if best is None:
         return f"stopped: {why}"
     score = f" ({best.monitor} {best.best_model_score:.4f})" if best.best_model_score is not None else ""
-    return f"stopped: {why}; best checkpoint {best.best_model_path}{score}"
+    path = best.best_model_path
+    if best.store_url is not None:  # written locally first, kept on the store: that copy is the one that lasts
+        from ember.checkpoint.store import join, redact
+
+        path = f"{redact(join(best.store_url, Path(path).name))} (staged in {path})"
+    return f"stopped: {why}; best checkpoint {path}{score}"
+
+
+def run_location(trainer: Trainer) -> str:
+    """Where the run is, for the line that ends a command: ``run dir runs/x/version_0``, or for a run on a store
+    ``run s3://bucket/runs/x/version_0 (staged in ~/.cache/ember/runs/<hash>/x/version_0)``."""
+    if trainer.run_url is None:
+        return f"run dir {trainer.run_dir}"
+    from ember.checkpoint.store import redact
+
+    return f"run {redact(trainer.run_url)} (staged in {trainer.run_dir})"
 
 
 def _count(n: int, noun: str) -> str:

@@ -9,9 +9,10 @@ The package, by concern (docs/architecture.md):
 - `reading`: metadata, ``ember.pt``, tensors, loading weights with errors that say what differs;
 - `bounds`: every size a file claims (a tensor's shape and dtype, a chunk's place in a shard, a record's
   length, the file's own size) checked against the files before anything is read or allocated;
-- `store`, `manifest`, `mirror`, `shared_commit`: object storage (``s3://``, any fsspec URL): URLs told from
-  paths, the commit protocol without rename (files, then a manifest, then ``last``), a run's checkpoints uploaded
-  in the background, by every process of a job with process 0 committing them once all uploaded;
+- `store`, `manifest`, `mirror`, `upload_process`, `shared_commit`: object storage (``s3://``, any fsspec URL):
+  URLs told from paths, the commit protocol without rename (files, then a manifest, then ``last``), a run's
+  checkpoints uploaded in the background by a worker process, by every process of a job with process 0
+  committing them once all uploaded;
 - `locating`: run directories (claimed atomically), ``last``, ``best``, what a ``ckpt_path`` names;
 - `dcp_writer`, `dcp_metadata`: torch.distributed.checkpoint's files, written fast for one process and
   read through a restricted unpickler;

@@ -15,9 +15,10 @@ them apart and back. Writing is in `writing`, reading in `reading`, finding chec
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
+if TYPE_CHECKING:  # torch is imported where a tensor is handled: the upload process reads this module without it
+    from torch import Tensor
 
 FORMAT_VERSION = 1
 
@@ -42,6 +43,8 @@ class CheckpointWriteError(CheckpointError):
 
 def split_tensors(obj: Any, prefix: str = "") -> tuple[Any, dict[str, Tensor]]:
     """Replace every tensor in a nested dict/list/tuple by a marker; return (skeleton, {path: tensor})."""
+    from torch import Tensor
+
     tensors: dict[str, Tensor] = {}
 
     def walk(value: Any, path: str) -> Any:

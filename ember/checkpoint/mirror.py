@@ -1,11 +1,16 @@
 """`StoreMirror`: a run's checkpoints copied to object storage in the background, committed by manifest.
 
 ``ModelCheckpoint(dirpath="s3://bucket/ckpts")`` writes each checkpoint locally first (atomically, in the
-run directory, as always); once it is durable, the mirror's one thread uploads it (`manifest.upload`:
+run directory, as always); once it is durable, the mirror's one thread has it uploaded (`manifest.upload`:
 files, then the manifest), points the store's ``last`` at it, and only then deletes from the store the
 checkpoints the callback no longer keeps (manifest first). Uploads run in the order they were asked for,
 so the store's ``last`` only ever moves forward, and training never waits for the network: the loop pays
 for queueing a path. `wait` (the end of fit) lets the queue drain and raises the first failure.
+
+The uploading itself runs in a worker process started with the mirror (`ember.checkpoint.upload_process`):
+the thread only hands it each checkpoint and waits for its answer, so the store's client never holds the
+training process's GIL. fsspec's ``memory://`` store exists only inside this process, so it is written
+from the thread itself.
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from ember.checkpoint import manifest
+from ember.checkpoint import upload_process
 from ember.checkpoint.format import CheckpointWriteError
-from ember.checkpoint.store import join, open_store, redact
+from ember.checkpoint.store import open_store, redact
+
+#: Stores that live inside this process (another process cannot reach them): uploaded from the thread.
+_IN_PROCESS = frozenset({"memory"})
 
 
 @dataclass(frozen=True)
@@ -31,11 +39,14 @@ class _Upload:
 
 
 class StoreMirror:
-    """Uploads checkpoint directories to the folder `url` on a store, one at a time, on a background thread."""
+    """Uploads checkpoint directories to the folder `url` on a store, one at a time, in the background: from a
+    worker process (started here, ended by `close`), or from its thread for a store inside this process."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.fs, self.root = open_store(url, "ModelCheckpoint(dirpath)")
+        in_process = url.split("://", 1)[0] in _IN_PROCESS
+        self._process = None if in_process else upload_process.UploadProcess(url)
         self._queue: queue.Queue[_Upload | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -74,15 +85,28 @@ class StoreMirror:
                 self._queue.task_done()
         self._queue.task_done()
 
+    def wait_ready(self) -> None:
+        """Block until an upload would start at once: the worker process has imported the store's client and
+        opened the store (about a second after the mirror is made). Nothing needs this to be correct;
+        uploads asked for earlier wait in the queue."""
+        if self._process is not None:
+            self._process.imported()
+
+    @property
+    def upload_pid(self) -> int | None:
+        """The process id of the worker that uploads (None when the thread uploads itself)."""
+        return None if self._process is None else self._process.pid
+
     def _upload(self, job: _Upload) -> None:
         name = job.local.name
-        manifest.upload(self.fs, job.local, join(self.root, name), job.global_step)
+        evict = [n for n in self.uploaded if n not in job.keep and n != name]
+        if self._process is None:
+            upload_process.commit(self.fs, self.root, job.local, job.global_step, job.set_last, evict)
+        else:
+            self._process.commit(job.local, job.global_step, job.set_last, evict)
         if name not in self.uploaded:
             self.uploaded.append(name)
-        if job.set_last:
-            manifest.point_last(self.fs, self.root, name)
-        for old in [n for n in self.uploaded if n not in job.keep and n != name]:
-            manifest.remove(self.fs, join(self.root, old))
+        for old in evict:
             self.uploaded.remove(old)
         if job.after is not None:
             job.after()
@@ -93,14 +117,15 @@ class StoreMirror:
             self._queue.join()
         if self._error is not None:
             error, self._error = self._error, None
+            kind = error.kind if isinstance(error, upload_process.UploadFailed) else type(error).__name__
             raise CheckpointWriteError(
-                f"uploading checkpoints to {redact(self.url)} failed: {type(error).__name__}: "
+                f"uploading checkpoints to {redact(self.url)} failed: {kind}: "
                 f"{str(error).splitlines()[0][:200] if str(error) else ''}; the local checkpoints in the run "
                 "directory are complete (resume from them, or copy them to the store)"
             ) from None
 
     def close(self) -> None:
-        """`wait`, then stop the thread."""
+        """`wait`, then stop the thread and the worker process."""
         try:
             self.wait()
         finally:
@@ -108,3 +133,6 @@ class StoreMirror:
                 self._queue.put(None)
                 self._thread.join()
                 self._thread = None
+            process, self._process = self._process, None
+            if process is not None:
+                process.close()

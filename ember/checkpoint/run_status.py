@@ -30,14 +30,18 @@ STATUSES = ("running", "finished", "stopped", "failed", "preempted")
 _READ_LIMIT = 1 << 16
 
 
-def begin(run_dir: Path, command: str) -> None:
-    """Record that `command` (``fit``, ``validate``, ``tune lr``, ``sweep trial``, ...) starts in `run_dir`."""
-    record = {
+def begin(run_dir: Path, command: str, url: str | None = None) -> None:
+    """Record that `command` (``fit``, ``validate``, ``tune lr``, ``sweep trial``, ...) starts in `run_dir`; a run
+    whose root is a URL records it as ``url`` (where the run is, shown without credentials) and `run_dir` as
+    ``staging`` (the local folder it is staged in)."""
+    record: dict[str, Any] = {
         "command": command,
         "status": "running",
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "holder": asdict(Holder.of_this_process()),
     }
+    if url is not None:
+        record.update(url=url, staging=str(run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / STATUS_FILE, json.dumps(record, indent=2) + "\n")
 

@@ -29,7 +29,7 @@ from ember.callbacks.callback_list import CallbackList
 from ember.callbacks.model_checkpoint import ModelCheckpoint
 from ember.checkpoint import run_status, run_store
 from ember.checkpoint.run_lock import RunLockedError
-from ember.checkpoint.store import is_url, join
+from ember.checkpoint.store import is_url, join, redact
 from ember.loggers.guard import LoggerGuard
 from ember.loggers.logger import Logger
 from ember.modules.datamodule import DataModule
@@ -288,7 +288,8 @@ def begin_status(trainer: Trainer, stage: stages.Stage, claimed: tuple[Path, Pat
     returns whether it recorded."""
     if not trainer.is_global_zero or (stage is not stages.FIT and claimed is None):
         return False
-    run_status.begin(trainer.run_dir, trainer.run_state.command or stage.name)
+    url = trainer.run_state.run_url
+    run_status.begin(trainer.run_dir, trainer.run_state.command or stage.name, redact(url) if url else None)
     return True
 
 

@@ -247,6 +247,42 @@ def test_cli_fit_with_a_root_on_the_store_then_resume_last_on_an_empty_machine(
     assert steps == sorted(steps) and steps[0] < 6 <= steps[-1]  # both segments' rows, in order
 
 
+def test_a_run_on_the_store_is_named_by_its_url_first_and_its_staging_folder_second(
+    project: Path, url: str, cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["fit", "-c", str(project), f"trainer.default_root_dir={url}"]) == 0, capsys.readouterr().err
+    staging = run_store.staging_dir(url) / "net" / "version_0"
+    out = capsys.readouterr().out
+    assert f"; run {url}/net/version_0 (staged in {staging})\n" in out, out
+    status = json.loads(_store_files(f"{url}/net/version_0")["status.json"])
+    assert (status["url"], status["staging"]) == (f"{url}/net/version_0", str(staging))
+    assert json.loads((staging / "status.json").read_text())["url"] == f"{url}/net/version_0"
+
+
+def test_the_best_checkpoint_of_a_run_on_the_store_is_named_by_its_url(url: str) -> None:
+    from ember.callbacks.model_checkpoint import ModelCheckpoint
+    from ember.cli import describe_stop
+
+    saver = ModelCheckpoint(monitor="val/loss")  # after each epoch's validation
+    ember.seed_everything(0)
+    options = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+    trainer = ember.Trainer(max_steps=12, default_root_dir=url, callbacks=[saver], **options)
+    trainer.fit(Tiny(), _loader(), _loader())
+    name = Path(saver.best_model_path).name
+    line = describe_stop(trainer)
+    staged = saver.best_model_path
+    assert f"best checkpoint {trainer.run_url}/checkpoints/{name} (staged in {staged}) (val/loss " in line
+    assert name in {"epoch=0-step=6", "epoch=1-step=12"}
+
+
+def test_a_local_run_is_named_by_its_folder(tmp_path: Path) -> None:
+    from ember.cli import run_location
+
+    trainer = _fit(tmp_path / "runs", 2)
+    assert run_location(trainer) == f"run dir {trainer.run_dir}"
+    assert "url" not in json.loads((trainer.run_dir / "status.json").read_text())
+
+
 def test_cli_test_and_export_take_last_of_a_run_on_the_store(
     project: Path, url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -261,7 +297,9 @@ def test_cli_test_and_export_take_last_of_a_run_on_the_store(
     assert main(["predict", "-c", str(project), root, "--ckpt", "last"]) == 0, capsys.readouterr().err
     stored = _store_files(f"{url}/net/version_0")
     outputs = [name for name in stored if name.startswith("eval/predict-epoch=") and name.endswith(".pt")]
-    assert len(outputs) == 1 and stored[outputs[0]] == (Path(capsys.readouterr().out.split()[-1])).read_bytes()
+    line = capsys.readouterr().out.strip()  # the store's copy first, then the staged one
+    assert f"outputs saved to {url}/net/version_0/{outputs[0]} (staged in " in line, line
+    assert len(outputs) == 1 and stored[outputs[0]] == Path(line.split()[-1].rstrip(")")).read_bytes()
     out = project.parent / "exports"
     export = ["export", "-c", str(project), root, "--format", "safetensors", "--out", str(out), "--name", "net"]
     assert main([*export, "--ckpt", "last"]) == 0, capsys.readouterr().err

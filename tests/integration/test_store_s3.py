@@ -51,6 +51,7 @@ class Net(ember.TrainingModule):
         x, y = batch
         return F.mse_loss(self.net(x), y)
     def on_train_start(self):
+        self.trainer.checkpoint_callbacks[0]._mirror.wait_ready()  # kills then land among uploads, not its start
         Path(self.hparams_marker).write_text("training")
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
