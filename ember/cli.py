@@ -175,7 +175,9 @@ class _Interrupts:
     """
 
     def __init__(self, owners: set[CodeType], at_exit: bool) -> None:
-        self.owners, self.at_exit, self.ended = owners, at_exit, False
+        # `end` itself too: a Ctrl-C arriving as `main`'s `finally` enters it (before `ended` is set) is one
+        # more press during the command's own exit
+        self.owners, self.at_exit, self.ended = {*owners, _Interrupts.end.__code__}, at_exit, False
         self.previous: Any = None
         # Signals reach the main thread only; a handler is only installed where Ctrl-C is not ignored.
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
