@@ -71,7 +71,7 @@ class SpikeGuard(Callback):
         *,
         warmup_steps: int | None = None,
         check_every_n_steps: int = 8,
-        snapshot_every_n_steps: int = 64,
+        snapshot_every_n_steps: int = 256,
         skip_after: int = 0,
         lr_scale: float = 1.0,
         lr_scale_steps: int = 0,
@@ -151,7 +151,8 @@ class SpikeGuard(Callback):
     ) -> None:
         """Keep this batch's loss; at every ``check_every_n_steps``-th step boundary, check the losses kept."""
         loss = outputs.get("loss") if isinstance(outputs, dict) else None
-        step = trainer.progress.global_step
+        progress = trainer.progress
+        step = progress.global_step
         if loss is not None:
             if not isinstance(loss, Tensor) or loss.ndim:
                 raise ValueError(
@@ -159,7 +160,7 @@ class SpikeGuard(Callback):
                     "tensor per batch: return the batch's mean loss as 'loss' (e.g. loss.mean())"
                 )
             self._losses.append(loss)
-            self._steps.append(step + 1 if trainer.progress.window_has_grads else step)
+            self._steps.append(step + 1 if progress.window_has_grads else step)
         if not self._steps or self._steps[-1] != step:
             return  # no step ended here
         if step % self.check_every_n_steps and not trainer.epoch_plan.is_last(batch_idx) and step != trainer.max_steps:
@@ -182,7 +183,7 @@ class SpikeGuard(Callback):
         """The first kept loss that is a spike: (its step, its value, the median it was compared with); None if
         none is. One host sync (and one all-reduce with several processes)."""
         losses, steps = torch.stack(self._losses), self._steps
-        self._losses, self._steps = [], []
+        self._losses.clear()  # the lists are refilled, never reallocated
         if trainer.world_size > 1:
             losses = trainer.strategy.reduce(losses.float(), "mean")
         values: list[float] = losses.tolist()  # the check's one host sync
@@ -191,8 +192,10 @@ class SpikeGuard(Callback):
         limit = self.factor * median
         for value, step in zip(values, steps, strict=True):
             if not math.isfinite(value) or value > limit:  # `> nan` is False: no median yet
+                steps.clear()
                 return step, value, median
         self._checked += len(set(steps))
+        steps.clear()
         self._history = (history + values)[-self.window :]
         return None
 
@@ -236,7 +239,8 @@ class SpikeGuard(Callback):
         record["skipped_samples"] = [s for samples in rewind.samples if samples is not None for s in samples]
         record["stopped"] = rewind.stop is not None
         self.rewinds.append(record)
-        self._losses, self._steps = [], []
+        self._losses.clear()
+        self._steps.clear()
         restored = record["restored_step"]
         if self.lr_scale != 1.0 and self.lr_scale_steps and rewind.stop is None:
             if self._lr_until >= 0:
