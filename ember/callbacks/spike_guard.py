@@ -116,6 +116,7 @@ class SpikeGuard(Callback):
         self._checked = 0  # steps checked since the fit started
         self._snapshot: Snapshot | None = None
         self._snapshot_step = 0  # the global step it holds
+        self._snapshot_detector: tuple[list[float], int] = ([], 0)  # `_history` and `_checked` when it was taken
         self._staging: dict[str, Tensor] = {}
         self._lr_until = -1  # the step at which a learning-rate scale ends (-1: none in force)
 
@@ -125,6 +126,7 @@ class SpikeGuard(Callback):
         if stage == "fit":
             self.rewinds, self._losses, self._steps, self._history, self._checked = [], [], [], [], 0
             self._snapshot, self._snapshot_step, self._lr_until = None, 0, -1
+            self._snapshot_detector = ([], 0)
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
         """The first snapshot: the fit's start (a resumed fit takes its first after its first clean check)."""
@@ -168,17 +170,23 @@ class SpikeGuard(Callback):
         if step == self._lr_until:
             self._scale_lr(trainer, 1 / self.lr_scale)
             self._lr_until = -1
+        judged = self._judges()
         spike = self._check(trainer)
         if spike is None:
-            if step % self.snapshot_every_n_steps == 0:
-                self._take_snapshot(trainer)
+            if judged and step % self.snapshot_every_n_steps == 0:
+                self._take_snapshot(trainer)  # only after a judged check: warm-up losses may hide a spike's damage
             return
         self._rewind(trainer, step, *spike)
 
     def _take_snapshot(self, trainer: Trainer) -> None:
         self._snapshot, self._snapshot_step = trainer.snapshot(self._staging), trainer.global_step
+        self._snapshot_detector = (list(self._history), self._checked)
 
     # --- detection -------------------------------------------------------------------------------
+    def _judges(self) -> bool:
+        """Whether the next check compares losses with a median (the warm-up is over)."""
+        return bool(self._history) and self._checked >= self.warmup_steps
+
     def _check(self, trainer: Trainer) -> tuple[int, float, float] | None:
         """The first kept loss that is a spike: (its step, its value, the median it was compared with); None if
         none is. One host sync (and one all-reduce with several processes)."""
@@ -188,7 +196,7 @@ class SpikeGuard(Callback):
             losses = trainer.strategy.reduce(losses.float(), "mean")
         values: list[float] = losses.tolist()  # the check's one host sync
         history = self._history
-        median = statistics.median(history) if history and self._checked >= self.warmup_steps else math.nan
+        median = statistics.median(history) if self._judges() else math.nan
         limit = self.factor * median
         for value, step in zip(values, steps, strict=True):
             if not math.isfinite(value) or value > limit:  # `> nan` is False: no median yet
@@ -241,6 +249,9 @@ class SpikeGuard(Callback):
         self.rewinds.append(record)
         self._losses.clear()
         self._steps.clear()
+        if rewind.stop is None:  # the detector goes back too: the losses since the snapshot were of left-out batches
+            history, self._checked = self._snapshot_detector
+            self._history = list(history)
         restored = record["restored_step"]
         if self.lr_scale != 1.0 and self.lr_scale_steps and rewind.stop is None:
             if self._lr_until >= 0:
@@ -275,11 +286,20 @@ class SpikeGuard(Callback):
 
     # --- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"rewinds": [dict(r) for r in self.rewinds], "lr_until": self._lr_until}
+        """The record of rewinds, a learning-rate scale in force, and the detector's checked losses (a resumed fit
+        judges its first losses as the uninterrupted fit would)."""
+        return {
+            "rewinds": [dict(r) for r in self.rewinds],
+            "lr_until": self._lr_until,
+            "history": list(self._history),
+            "checked": self._checked,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rewinds = [dict(r) for r in state_dict.get("rewinds", [])]
         self._lr_until = int(state_dict.get("lr_until", -1))
+        self._history = [float(v) for v in state_dict.get("history", [])]  # absent from older checkpoints
+        self._checked = int(state_dict.get("checked", 0))
 
 
 def _describe(loss: Any) -> str:

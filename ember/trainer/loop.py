@@ -54,7 +54,15 @@ from ember.trainer.optimization import (
     run_training_batch,
     step_schedulers,
 )
-from ember.trainer.rewind import Rewind, TooManyRewinds, kept_batches, positions_to_skip, samples_of, snapshot_position
+from ember.trainer.rewind import (
+    Rewind,
+    TooManyRewinds,
+    epoch_start_of,
+    kept_batches,
+    positions_to_skip,
+    samples_of,
+    snapshot_position,
+)
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -479,7 +487,7 @@ class FitLoop:
         if rewind.stop is None:
             rewind.skipped = positions_to_skip(self.plan, epoch, batch_idx, rewind.steps, state.skipped_in)
             state.skip_batches(rewind.skipped)
-            rewind.samples = samples_of(self.train_loader, epoch_start, epoch, rewind.skipped)
+            rewind.samples = samples_of(self.train_loader, epoch_start_of(snapshot), epoch, rewind.skipped)
         state.window_has_grads = False
         self.resume_state = {**snapshot.rank_state, "saved_world_size": trainer.strategy.world_size}
         self.epoch_start_state = epoch_start

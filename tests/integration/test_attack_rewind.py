@@ -161,15 +161,18 @@ def test_a_spike_in_the_last_steps_of_a_fit_ending_at_max_steps_is_caught(tmp_pa
     assert max(float(p.detach().abs().max()) for p in module.parameters()) < 100
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a finite spike during the warm-up is not a spike, and the check after it renews the snapshot, so the "
-    "snapshot holds the spike's damage: every rewind goes back to it and the fit stops with TooManyRewinds "
-    "(docs/rewind.md promises 'the snapshot always predates the spike'); keeping the start snapshot until the "
-    "warm-up ends would widen the documented margin, a design choice",
-)
 def test_a_spike_before_the_warm_up_ends_is_left_out(tmp_path: Path) -> None:
+    """A finite spike at the first batch, before the detector has a median: the check after it renewed the snapshot,
+    which then held the spike's damage, so every rewind went back to it and the fit stopped with TooManyRewinds.
+    Until a check has judged losses against a median, the snapshot stays the fit's start."""
     ids = batch_ids(N, BATCH)
     spiky = guard()
-    trainer(tmp_path, spiky).fit(Regressor(lr=0.02), loader(PoisonData(N, frozenset(ids[0])), BATCH))
-    assert [0, 0] in [position for rewind in spiky.rewinds for position in rewind["skipped_batches"]]
+    module = Regressor(lr=0.02)
+    trainer(tmp_path, spiky).fit(module, loader(PoisonData(N, frozenset(ids[0])), BATCH))
+    assert len(spiky.rewinds) == 1, spiky.rewinds
+    rewind = spiky.rewinds[0]
+    assert rewind["restored_step"] == 0  # the start: no warm-up check renewed the snapshot
+    assert [0, 0] in rewind["skipped_batches"]
+    assert rewind["skipped_samples"][:BATCH] == ids[0]
+    assert module.trainer.global_step == N // BATCH - len(rewind["skipped_batches"])
+    assert max(float(p.detach().abs().max()) for p in module.parameters()) < 100
