@@ -178,6 +178,14 @@ class SpikeGuard(Callback):
             return
         self._rewind(trainer, step, *spike)
 
+    def on_train_stop(self, trainer: Trainer, module: TrainingModule) -> None:
+        """The fit stops at this step boundary before its epoch's end (``max_time``, ``trainer.should_stop``): check
+        the losses the last check did not see, so a spike in the fit's last steps is still rewound."""
+        if self._steps and self._steps[-1] == trainer.global_step:
+            spike = self._check(trainer)
+            if spike is not None:
+                self._rewind(trainer, trainer.global_step, *spike)
+
     def _take_snapshot(self, trainer: Trainer) -> None:
         self._snapshot, self._snapshot_step = trainer.snapshot(self._staging), trainer.global_step
         self._snapshot_detector = (list(self._history), self._checked)

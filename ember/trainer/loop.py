@@ -327,7 +327,8 @@ class FitLoop:
         hooks.on_train_start()
         self.running = True
         try:
-            while not self.is_done():
+            while self.rewound or not self.is_done():  # a rewound epoch reopens, also when a stop holds
+                self.rewound = False
                 self.run_epoch()
         finally:
             self.running = False
@@ -358,8 +359,7 @@ class FitLoop:
         if trainer.profiler is not None:  # once per epoch: the batches' fetch times (ember/tuning/profiler.py)
             batches = trainer.profiler.time_batches(batches)
         self.run_batches(batches, validates)
-        if self.rewound:  # the fit went back to a snapshot: this epoch reopens there (`apply_rewind`)
-            self.rewound = False
+        if self.rewound:  # the fit went back to a snapshot: this epoch reopens there (`run`, `apply_rewind`)
             return
         if (
             drop
@@ -456,6 +456,10 @@ class FitLoop:
         at_boundary(self.trainer, self.module)
         if not self.should_stop_in_epoch():
             return False
+        self.trainer.hooks.on_train_stop()
+        if self.rewinding is not None:  # asked for by the stop's hook (SpikeGuard's last check): back, then on
+            self.apply_rewind()
+            return True
         if not self.plan.is_last(batch_idx):  # cut short: `last` must name this step, not the epoch end
             save_stop_point(self.trainer, self.module)
         return True
