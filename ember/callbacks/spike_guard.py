@@ -252,7 +252,7 @@ class SpikeGuard(Callback):
     def _record(self, trainer: Trainer, rewind: Rewind, record: dict[str, Any]) -> None:
         """Write down a rewind the trainer applied: the record, the loggers, one line on screen."""
         record["skipped_batches"] = [list(position) for position in rewind.skipped]
-        record["skipped_samples"] = [s for samples in rewind.samples if samples is not None for s in samples]
+        record["skipped_samples"] = _global_samples(trainer, rewind.samples)
         record["stopped"] = rewind.stop is not None
         self.rewinds.append(record)
         self._losses.clear()
@@ -308,6 +308,22 @@ class SpikeGuard(Callback):
         self._lr_until = int(state_dict.get("lr_until", -1))
         self._history = [float(v) for v in state_dict.get("history", [])]  # absent from older checkpoints
         self._checked = int(state_dict.get("checked", 0))
+
+
+def _global_samples(trainer: Trainer, samples: list[list[int] | None]) -> list[int]:
+    """The dataset indices of the left-out batches, position by position; with several processes, each position's
+    global batch: every process's indices in rank order (one collective: every process applies a rewind), so each
+    process records the same list. A process whose order cannot be rebuilt (None) adds none; processes that share
+    their data (tensor-parallel peers) count once."""
+    every = trainer.strategy.all_gather_object(samples) if trainer.world_size > 1 else [samples]
+    found: list[int] = []
+    for position in zip(*every, strict=True):
+        kept: list[list[int]] = []
+        for batch in position:
+            if batch is not None and batch not in kept:
+                kept.append(batch)
+        found += [index for batch in kept for index in batch]
+    return found
 
 
 def _describe(loss: Any) -> str:
