@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -119,6 +118,8 @@ class SpikeGuard(Callback):
         self._snapshot_detector: tuple[list[float], int] = ([], 0)  # `_history` and `_checked` when it was taken
         self._staging: dict[str, Tensor] = {}
         self._lr_until = -1  # the step at which a learning-rate scale ends (-1: none in force)
+        self._last_batch: float = math.inf  # the epoch's last batch index and the fit's max_steps, read per epoch
+        self._max_steps = -1
 
     # --- hooks -----------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
@@ -130,6 +131,7 @@ class SpikeGuard(Callback):
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
         """The first snapshot: the fit's start (a resumed fit takes its first after its first clean check)."""
+        self._last_batch, self._max_steps = trainer.epoch_plan.num_batches - 1, trainer.max_steps
         if self._snapshot is None and trainer.progress.batch_idx == 0 and trainer.global_step == 0:
             self._take_snapshot(trainer)
 
@@ -165,7 +167,7 @@ class SpikeGuard(Callback):
             self._steps.append(step + 1 if progress.window_has_grads else step)
         if not self._steps or self._steps[-1] != step:
             return  # no step ended here
-        if step % self.check_every_n_steps and not trainer.epoch_plan.is_last(batch_idx) and step != trainer.max_steps:
+        if step % self.check_every_n_steps and batch_idx != self._last_batch and step != self._max_steps:
             return  # not a checking step (the epoch's last step and max_steps are: a fit may end with them)
         if step == self._lr_until:
             self._scale_lr(trainer, 1 / self.lr_scale)
@@ -204,7 +206,7 @@ class SpikeGuard(Callback):
             losses = trainer.strategy.reduce(losses.float(), "mean")
         values: list[float] = losses.tolist()  # the check's one host sync
         history = self._history
-        median = statistics.median(history) if self._judges() else math.nan
+        median = _median(history) if self._judges() else math.nan
         limit = self.factor * median
         for value, step in zip(values, steps, strict=True):
             if not math.isfinite(value) or value > limit:  # `> nan` is False: no median yet
@@ -324,6 +326,12 @@ def _global_samples(trainer: Trainer, samples: list[list[int] | None]) -> list[i
                 kept.append(batch)
         found += [index for batch in kept for index in batch]
     return found
+
+
+def _median(values: list[float]) -> float:
+    """`statistics.median` (the same arithmetic), without its checks: a check takes it every few steps."""
+    ordered, middle = sorted(values), len(values) // 2
+    return ordered[middle] if len(values) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _describe(loss: Any) -> str:
