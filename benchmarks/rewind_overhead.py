@@ -3,7 +3,7 @@
 The tiny MLP of `overhead.py` (32 -> 64 -> 2, batch 32, SGD, one thread, 3 epochs x 256 steps), in two
 settings: ember's defaults (logger, progress line, ``self.log``; no checkpoint callback, whose writes would
 dominate the difference) and ember minimal (nothing but the loop). Each with the guard off and on (its
-defaults: a check every 8 steps, a snapshot every 64). Runs are interleaved, the order rotating each round, and
+defaults: a check every 8 steps, a snapshot every 256). Runs are interleaved, the order rotating each round, and
 each guarded run is compared with the unguarded run of its own round (the median of those paired ratios is the
 verdict's figure; noise only adds time, so best / best is shown too).
 

@@ -84,6 +84,12 @@ class Callback:
         `outputs` is what `training_step` returned, with the loss detached.
         """
 
+    def on_train_stop(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Called when the fit stops at a step boundary inside an epoch or at its last batch (``max_steps``,
+        ``max_time``, ``trainer.should_stop``): after that batch's `on_train_batch_end` and its validation, before
+        the stop's checkpoint is saved. A rewind asked for here (``trainer.rewind``) is applied instead, and the
+        fit then stops at the next step boundary where the stop still holds."""
+
     # --- optimization -------------------------------------------------------
     def on_before_backward(self, trainer: Trainer, module: TrainingModule, loss: Tensor) -> None:
         """Called before `loss.backward()` (the loss is already divided for accumulation)."""

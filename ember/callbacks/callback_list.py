@@ -176,6 +176,7 @@ class CallbackList:
     on_train_end = _run_each("on_train_end")
     on_train_epoch_start = _run_each("on_train_epoch_start")
     on_train_epoch_end = _run_each("on_train_epoch_end")
+    on_train_stop = _run_each("on_train_stop")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         for fn in self._table["on_train_batch_start"]:  # per-batch hook: looped inline, no *args packing

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -71,7 +70,7 @@ class SpikeGuard(Callback):
         *,
         warmup_steps: int | None = None,
         check_every_n_steps: int = 8,
-        snapshot_every_n_steps: int = 64,
+        snapshot_every_n_steps: int = 256,
         skip_after: int = 0,
         lr_scale: float = 1.0,
         lr_scale_steps: int = 0,
@@ -116,8 +115,11 @@ class SpikeGuard(Callback):
         self._checked = 0  # steps checked since the fit started
         self._snapshot: Snapshot | None = None
         self._snapshot_step = 0  # the global step it holds
+        self._snapshot_detector: tuple[list[float], int] = ([], 0)  # `_history` and `_checked` when it was taken
         self._staging: dict[str, Tensor] = {}
         self._lr_until = -1  # the step at which a learning-rate scale ends (-1: none in force)
+        self._last_batch: float = math.inf  # the epoch's last batch index and the fit's max_steps, read per epoch
+        self._max_steps = -1
 
     # --- hooks -----------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
@@ -125,9 +127,11 @@ class SpikeGuard(Callback):
         if stage == "fit":
             self.rewinds, self._losses, self._steps, self._history, self._checked = [], [], [], [], 0
             self._snapshot, self._snapshot_step, self._lr_until = None, 0, -1
+            self._snapshot_detector = ([], 0)
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
         """The first snapshot: the fit's start (a resumed fit takes its first after its first clean check)."""
+        self._last_batch, self._max_steps = trainer.epoch_plan.num_batches - 1, trainer.max_steps
         if self._snapshot is None and trainer.progress.batch_idx == 0 and trainer.global_step == 0:
             self._take_snapshot(trainer)
 
@@ -151,7 +155,8 @@ class SpikeGuard(Callback):
     ) -> None:
         """Keep this batch's loss; at every ``check_every_n_steps``-th step boundary, check the losses kept."""
         loss = outputs.get("loss") if isinstance(outputs, dict) else None
-        step = trainer.progress.global_step
+        progress = trainer.progress
+        step = progress.global_step
         if loss is not None:
             if not isinstance(loss, Tensor) or loss.ndim:
                 raise ValueError(
@@ -159,40 +164,56 @@ class SpikeGuard(Callback):
                     "tensor per batch: return the batch's mean loss as 'loss' (e.g. loss.mean())"
                 )
             self._losses.append(loss)
-            self._steps.append(step + 1 if trainer.progress.window_has_grads else step)
+            self._steps.append(step + 1 if progress.window_has_grads else step)
         if not self._steps or self._steps[-1] != step:
             return  # no step ended here
-        if step % self.check_every_n_steps and not trainer.epoch_plan.is_last(batch_idx) and step != trainer.max_steps:
+        if step % self.check_every_n_steps and batch_idx != self._last_batch and step != self._max_steps:
             return  # not a checking step (the epoch's last step and max_steps are: a fit may end with them)
         if step == self._lr_until:
             self._scale_lr(trainer, 1 / self.lr_scale)
             self._lr_until = -1
+        judged = self._judges()
         spike = self._check(trainer)
         if spike is None:
-            if step % self.snapshot_every_n_steps == 0:
-                self._take_snapshot(trainer)
+            if judged and step % self.snapshot_every_n_steps == 0:
+                self._take_snapshot(trainer)  # only after a judged check: warm-up losses may hide a spike's damage
             return
         self._rewind(trainer, step, *spike)
 
+    def on_train_stop(self, trainer: Trainer, module: TrainingModule) -> None:
+        """The fit stops at this step boundary before its epoch's end (``max_time``, ``trainer.should_stop``): check
+        the losses the last check did not see, so a spike in the fit's last steps is still rewound."""
+        if self._steps and self._steps[-1] == trainer.global_step:
+            spike = self._check(trainer)
+            if spike is not None:
+                self._rewind(trainer, trainer.global_step, *spike)
+
     def _take_snapshot(self, trainer: Trainer) -> None:
         self._snapshot, self._snapshot_step = trainer.snapshot(self._staging), trainer.global_step
+        self._snapshot_detector = (list(self._history), self._checked)
 
     # --- detection -------------------------------------------------------------------------------
+    def _judges(self) -> bool:
+        """Whether the next check compares losses with a median (the warm-up is over)."""
+        return bool(self._history) and self._checked >= self.warmup_steps
+
     def _check(self, trainer: Trainer) -> tuple[int, float, float] | None:
         """The first kept loss that is a spike: (its step, its value, the median it was compared with); None if
         none is. One host sync (and one all-reduce with several processes)."""
         losses, steps = torch.stack(self._losses), self._steps
-        self._losses, self._steps = [], []
+        self._losses.clear()  # the lists are refilled, never reallocated
         if trainer.world_size > 1:
             losses = trainer.strategy.reduce(losses.float(), "mean")
         values: list[float] = losses.tolist()  # the check's one host sync
         history = self._history
-        median = statistics.median(history) if history and self._checked >= self.warmup_steps else math.nan
+        median = _median(history) if self._judges() else math.nan
         limit = self.factor * median
         for value, step in zip(values, steps, strict=True):
             if not math.isfinite(value) or value > limit:  # `> nan` is False: no median yet
+                steps.clear()
                 return step, value, median
         self._checked += len(set(steps))
+        steps.clear()
         self._history = (history + values)[-self.window :]
         return None
 
@@ -233,10 +254,14 @@ class SpikeGuard(Callback):
     def _record(self, trainer: Trainer, rewind: Rewind, record: dict[str, Any]) -> None:
         """Write down a rewind the trainer applied: the record, the loggers, one line on screen."""
         record["skipped_batches"] = [list(position) for position in rewind.skipped]
-        record["skipped_samples"] = [s for samples in rewind.samples if samples is not None for s in samples]
+        record["skipped_samples"] = _global_samples(trainer, rewind.samples)
         record["stopped"] = rewind.stop is not None
         self.rewinds.append(record)
-        self._losses, self._steps = [], []
+        self._losses.clear()
+        self._steps.clear()
+        if rewind.stop is None:  # the detector goes back too: the losses since the snapshot were of left-out batches
+            history, self._checked = self._snapshot_detector
+            self._history = list(history)
         restored = record["restored_step"]
         if self.lr_scale != 1.0 and self.lr_scale_steps and rewind.stop is None:
             if self._lr_until >= 0:
@@ -271,11 +296,42 @@ class SpikeGuard(Callback):
 
     # --- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"rewinds": [dict(r) for r in self.rewinds], "lr_until": self._lr_until}
+        """The record of rewinds, a learning-rate scale in force, and the detector's checked losses (a resumed fit
+        judges its first losses as the uninterrupted fit would)."""
+        return {
+            "rewinds": [dict(r) for r in self.rewinds],
+            "lr_until": self._lr_until,
+            "history": list(self._history),
+            "checked": self._checked,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rewinds = [dict(r) for r in state_dict.get("rewinds", [])]
         self._lr_until = int(state_dict.get("lr_until", -1))
+        self._history = [float(v) for v in state_dict.get("history", [])]  # absent from older checkpoints
+        self._checked = int(state_dict.get("checked", 0))
+
+
+def _global_samples(trainer: Trainer, samples: list[list[int] | None]) -> list[int]:
+    """The dataset indices of the left-out batches, position by position; with several processes, each position's
+    global batch: every process's indices in rank order (one collective: every process applies a rewind), so each
+    process records the same list. A process whose order cannot be rebuilt (None) adds none; processes that share
+    their data (tensor-parallel peers) count once."""
+    every = trainer.strategy.all_gather_object(samples) if trainer.world_size > 1 else [samples]
+    found: list[int] = []
+    for position in zip(*every, strict=True):
+        kept: list[list[int]] = []
+        for batch in position:
+            if batch is not None and batch not in kept:
+                kept.append(batch)
+        found += [index for batch in kept for index in batch]
+    return found
+
+
+def _median(values: list[float]) -> float:
+    """`statistics.median` (the same arithmetic), without its checks: a check takes it every few steps."""
+    ordered, middle = sorted(values), len(values) // 2
+    return ordered[middle] if len(values) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _describe(loss: Any) -> str:

@@ -260,6 +260,13 @@ class ParallelStrategy(Strategy):
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not dist.is_initialized():
+            return [obj]
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, obj)
+        return every
+
     def check_same_batch_count(self, count: float) -> None:
         """Agree on the training batches per epoch before the first step; unequal counts are an error on every
         process (gradient synchronisation would otherwise pair up different collectives and abort the job).

@@ -346,6 +346,10 @@ class Strategy:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every process's `obj` (picklable), in rank order; one process: ``[obj]``."""
+        return [obj]
+
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         """``num_replicas`` and ``rank`` of this process's data shard (one process: the whole data)."""

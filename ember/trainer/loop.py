@@ -54,7 +54,15 @@ from ember.trainer.optimization import (
     run_training_batch,
     step_schedulers,
 )
-from ember.trainer.rewind import Rewind, TooManyRewinds, kept_batches, positions_to_skip, samples_of, snapshot_position
+from ember.trainer.rewind import (
+    Rewind,
+    TooManyRewinds,
+    epoch_start_of,
+    kept_batches,
+    positions_to_skip,
+    samples_of,
+    snapshot_position,
+)
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -332,7 +340,8 @@ class FitLoop:
         hooks.on_train_start()
         self.running = True
         try:
-            while not self.is_done():
+            while self.rewound or not self.is_done():  # a rewound epoch reopens, also when a stop holds
+                self.rewound = False
                 self.run_epoch()
         finally:
             self.running = False
@@ -363,8 +372,7 @@ class FitLoop:
         if trainer.profiler is not None:  # once per epoch: the batches' fetch times (ember/tuning/profiler.py)
             batches = trainer.profiler.time_batches(batches)
         self.run_batches(batches, validates)
-        if self.rewound:  # the fit went back to a snapshot: this epoch reopens there (`apply_rewind`)
-            self.rewound = False
+        if self.rewound:  # the fit went back to a snapshot: this epoch reopens there (`run`, `apply_rewind`)
             return
         if (
             drop
@@ -464,6 +472,10 @@ class FitLoop:
         at_boundary(self.trainer, self.module)
         if not self.should_stop_in_epoch():
             return False
+        self.trainer.hooks.on_train_stop()
+        if self.rewinding is not None:  # asked for by the stop's hook (SpikeGuard's last check): back, then on
+            self.apply_rewind()
+            return True
         if not self.plan.is_last(batch_idx):  # cut short: `last` must name this step, not the epoch end
             save_stop_point(self.trainer, self.module)
         return True
@@ -495,7 +507,7 @@ class FitLoop:
         if rewind.stop is None:
             rewind.skipped = positions_to_skip(self.plan, epoch, batch_idx, rewind.steps, state.skipped_in)
             state.skip_batches(rewind.skipped)
-            rewind.samples = samples_of(self.train_loader, epoch_start, epoch, rewind.skipped)
+            rewind.samples = samples_of(self.train_loader, epoch_start_of(snapshot), epoch, rewind.skipped)
         state.window_has_grads = False
         self.resume_state = {**snapshot.rank_state, "saved_world_size": trainer.strategy.world_size}
         self.epoch_start_state = epoch_start

@@ -53,6 +53,17 @@ def snapshot_position(snapshot: Snapshot) -> tuple[int, int, int]:
     return int(progress["epoch"]), int(progress["batch_idx"]), int(progress["global_step"])
 
 
+def epoch_start_of(snapshot: Snapshot) -> dict[str, Any] | None:
+    """The generator states the snapshot's epoch draws its order from: recorded when the epoch opened, or, for a
+    snapshot taken at the epoch's first batch before its iterator opened (the fit's start), the streams the snapshot
+    holds, from which the reopened epoch draws it."""
+    rank_state, (_, batch_idx, _) = snapshot.rank_state, snapshot_position(snapshot)
+    if batch_idx == 0 and "loader_generators" in rank_state:
+        return {"global": rank_state["rng"], "loader": rank_state["loader_generators"]}
+    epoch_start: dict[str, Any] | None = rank_state.get("epoch_start")
+    return epoch_start
+
+
 def positions_to_skip(
     plan: EpochPlan, epoch: int, batch_idx: int, steps: int, skipped: Callable[[int], frozenset[int]]
 ) -> list[tuple[int, int]]:

@@ -45,7 +45,8 @@ trainer = ember.Trainer(
 )
 trainer.fit(module, DataLoader(data, batch_size={BATCH}))
 result = {{
-    "rewinds": [{{k: v for k, v in r.items() if k != "skipped_samples"}} for r in guard.rewinds],
+    "rewinds": guard.rewinds,
+    "on_disk": open(f"{{trainer.run_dir}}/rewinds.jsonl").read() if trainer.is_global_zero else None,
     "skipped": trainer.progress.skipped_positions(),
     "params": [p.detach().flatten().tolist() for p in module.parameters()],
 }}
@@ -87,12 +88,17 @@ def test_both_ranks_rewind_together_and_match_one_process_with_the_double_batch(
 
     guard, module = single_process(tmp_path / "single")
     assert len(ranks[0]["rewinds"]) == 1, ranks[0]["rewinds"]
-    assert ranks[0]["rewinds"] == ranks[1]["rewinds"]  # together: same step, value, snapshot and batches
+    assert ranks[0]["rewinds"] == ranks[1]["rewinds"]  # together: same step, value, snapshot, batches and samples
     assert ranks[0]["skipped"] == ranks[1]["skipped"]
     assert ranks[0]["params"] == ranks[1]["params"]
     ddp_rewind, single_rewind = ranks[0]["rewinds"][0], guard.rewinds[0]
     for key in ("step", "spike_step", "restored_step", "skipped_batches", "reason"):
         assert ddp_rewind[key] == single_rewind[key], key
     assert POISONED in [b for _, b in single_rewind["skipped_batches"]]
+    # every process records the samples of the global batches left out: both processes' own, the double batch's
+    poison = set(range(2 * BATCH * POISONED, 2 * BATCH * (POISONED + 1)))
+    assert len(ddp_rewind["skipped_samples"]) == len(single_rewind["skipped_samples"]) > len(poison)
+    assert set(ddp_rewind["skipped_samples"]) == set(single_rewind["skipped_samples"]) >= poison
+    assert [json.loads(line) for line in ranks[0]["on_disk"].splitlines()] == ranks[0]["rewinds"]
     for ddp_param, param in zip(ranks[0]["params"], module.parameters(), strict=True):
         torch.testing.assert_close(torch.tensor(ddp_param), param.detach().flatten(), rtol=0, atol=1e-6)

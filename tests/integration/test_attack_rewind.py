@@ -1,9 +1,11 @@
 """SpikeGuard at its edges: settings of the wrong type, a loss that is not one scalar, iterable data that cannot go
-back to a snapshot, the stop message of ``max_rewinds=0``, and a spike before the warm-up ends (docs/rewind.md)."""
+back to a snapshot, the stop message of ``max_rewinds=0``, a spike before the warm-up ends, and a spike in the last
+steps before a stop (docs/rewind.md)."""
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -161,15 +163,77 @@ def test_a_spike_in_the_last_steps_of_a_fit_ending_at_max_steps_is_caught(tmp_pa
     assert max(float(p.detach().abs().max()) for p in module.parameters()) < 100
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a finite spike during the warm-up is not a spike, and the check after it renews the snapshot, so the "
-    "snapshot holds the spike's damage: every rewind goes back to it and the fit stops with TooManyRewinds "
-    "(docs/rewind.md promises 'the snapshot always predates the spike'); keeping the start snapshot until the "
-    "warm-up ends would widen the documented margin, a design choice",
-)
 def test_a_spike_before_the_warm_up_ends_is_left_out(tmp_path: Path) -> None:
+    """A finite spike at the first batch, before the detector has a median: the check after it renewed the snapshot,
+    which then held the spike's damage, so every rewind went back to it and the fit stopped with TooManyRewinds.
+    Until a check has judged losses against a median, the snapshot stays the fit's start."""
     ids = batch_ids(N, BATCH)
     spiky = guard()
-    trainer(tmp_path, spiky).fit(Regressor(lr=0.02), loader(PoisonData(N, frozenset(ids[0])), BATCH))
-    assert [0, 0] in [position for rewind in spiky.rewinds for position in rewind["skipped_batches"]]
+    module = Regressor(lr=0.02)
+    trainer(tmp_path, spiky).fit(module, loader(PoisonData(N, frozenset(ids[0])), BATCH))
+    assert len(spiky.rewinds) == 1, spiky.rewinds
+    rewind = spiky.rewinds[0]
+    assert rewind["restored_step"] == 0  # the start: no warm-up check renewed the snapshot
+    assert [0, 0] in rewind["skipped_batches"]
+    assert rewind["skipped_samples"][:BATCH] == ids[0]
+    assert module.trainer.global_step == N // BATCH - len(rewind["skipped_batches"])
+    assert max(float(p.detach().abs().max()) for p in module.parameters()) < 100
+
+
+class StopAt(ember.Callback):
+    """Sets ``trainer.should_stop`` at the end of step `step` (it comes after the guard in the callback list)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+def test_a_spike_in_the_last_steps_before_a_callback_stops_the_fit_is_caught(tmp_path: Path) -> None:
+    """should_stop at step 11 with a check every 2 steps: the spike at step 11 was never read and the fit ended
+    (and saved ``last``) with the poisoned parameters."""
+    ids = batch_ids(N, BATCH)
+    spiky = guard()
+    module = Regressor(lr=0.02)
+    fit = trainer(tmp_path, spiky, StopAt(11), enable_checkpointing=True, max_epochs=2)
+    fit.fit(module, loader(PoisonData(N, frozenset(ids[10])), BATCH))
+    assert [(r["spike_step"], r["restored_step"], r["skipped_batches"]) for r in spiky.rewinds] == [(11, 10, [[0, 10]])]
+    assert fit.global_step == 11  # back to step 10, one more step on batch 11, then the stop still held
+    assert fit.progress.stop_reason == "should_stop"
+    assert max(float(p.detach().abs().max()) for p in module.parameters()) < 100
+    resumed = trainer(tmp_path, max_steps=12, enable_checkpointing=True)
+    resumed.fit(Regressor(lr=0.02), loader(PoisonData(N, frozenset(ids[10])), BATCH), ckpt_path="last")
+    assert resumed.progress.skipped_positions() == [[0, 10]]  # `last` is the rewound run, with its skip list
+    assert resumed.global_step == 12
+
+
+class SlowBatch(ember.Callback):
+    """Sleeps before batch `batch_idx` until the fit's `max_time_s` is spent (counted from ``on_train_start``,
+    after the fit's clock started)."""
+
+    def __init__(self, batch_idx: int, max_time_s: float) -> None:
+        self.batch_idx, self.max_time_s, self.started = batch_idx, max_time_s, 0.0
+        self.steps_before: int | None = None
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self.started = time.monotonic()
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.batch_idx and self.steps_before is None:
+            self.steps_before = trainer.global_step
+            time.sleep(max(0.0, self.started + self.max_time_s + 0.05 - time.monotonic()))
+
+
+def test_a_spike_in_the_last_steps_before_max_time_is_caught(tmp_path: Path) -> None:
+    ids = batch_ids(N, BATCH)
+    spiky, slow = guard(), SlowBatch(10, max_time_s=2.0)
+    module = Regressor(lr=0.02)
+    fit = trainer(tmp_path, spiky, slow, max_time=2.0, max_epochs=2)
+    fit.fit(module, loader(PoisonData(N, frozenset(ids[10])), BATCH))
+    assert slow.steps_before == 10  # the first 10 steps ran within the budget
+    assert [(r["spike_step"], r["restored_step"], r["skipped_batches"]) for r in spiky.rewinds] == [(11, 10, [[0, 10]])]
+    assert fit.global_step == 11
+    assert fit.progress.stop_reason == "max_time"
+    assert max(float(p.detach().abs().max()) for p in module.parameters()) < 100

@@ -277,6 +277,22 @@ def test_accumulation_steps_only_at_window_ends() -> None:
     assert trainer.global_step == 2
 
 
+def test_a_stop_inside_the_epoch_calls_on_train_stop_after_its_batch_end() -> None:
+    calls: Calls = []
+    trainer = _trainer(calls, max_steps=2)
+    trainer.fit(RecordingModule(calls), _loader(4))
+    batch = (
+        "on_train_batch_start", "on_before_backward", "on_after_backward",
+        "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end",
+    )  # fmt: skip
+    assert calls == both(
+        "setup", "on_fit_start", "on_train_start", "on_train_epoch_start",
+        *batch, *batch,  # batches 0, 1: max_steps=2 holds at the second step's boundary
+        "on_train_stop", "on_train_epoch_end", "on_train_end", "on_fit_end", "teardown",
+    )  # fmt: skip
+    assert trainer.global_step == 2
+
+
 # --- learning-rate schedulers -----------------------------------------------------------------
 class _RecordingLR(torch.optim.lr_scheduler.LambdaLR):
     def __init__(self, optimizer: torch.optim.Optimizer, calls: Calls, interval: str) -> None:
