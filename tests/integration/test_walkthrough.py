@@ -54,8 +54,10 @@ RUN = "runs/your_data/version_0"
 #: The lines the page quotes and the walkthrough prints, by name (the run directory filled in, figures left open).
 LINES = {
     "interrupted": rf"ember: interrupted; `--resume last` continues {RUN} from its checkpoint epoch=(\d+)-step=(\d+)",
-    "resuming": rf"ember: resuming from {RUN}/checkpoints/epoch=(\d+)-step=(\d+) \(epoch (\d+), step (\d+), "
-    r"val/acc \d\.\d{4}\)",
+    # the monitored value is shown for a checkpoint ModelCheckpoint keeps (its top k); the checkpoint Ctrl-C left
+    # as `last` may be one it did not keep (its val/acc was not better), which the line gives without one
+    "resuming": rf"ember: resuming from {RUN}/checkpoints/epoch=(\d+)-step=(\d+) \(epoch (\d+), step (\d+)"
+    r"(?:, val/acc \d\.\d{4})?\)",
     "fit done": r"fit done in [\d.]+ s \((\d+) epochs, (\d+) steps\): val/acc \d\.\d{4}  val/loss \d\.\d{4}; "
     rf"run dir {RUN}",
     "stopped": rf"stopped: max_epochs=(\d+) reached; best checkpoint {RUN}/checkpoints/(epoch=(\d+)-step=(\d+)) "
