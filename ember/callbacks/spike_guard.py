@@ -167,11 +167,11 @@ class SpikeGuard(Callback):
             self._steps.append(step + 1 if progress.window_has_grads else step)
         if not self._steps or self._steps[-1] != step:
             return  # no step ended here
-        if step % self.check_every_n_steps and batch_idx != self._last_batch and step != self._max_steps:
-            return  # not a checking step (the epoch's last step and max_steps are: a fit may end with them)
-        if step == self._lr_until:
+        if step == self._lr_until:  # at any step: the scale lasts exactly lr_scale_steps, checking step or not
             self._scale_lr(trainer, 1 / self.lr_scale)
             self._lr_until = -1
+        if step % self.check_every_n_steps and batch_idx != self._last_batch and step != self._max_steps:
+            return  # not a checking step (the epoch's last step and max_steps are: a fit may end with them)
         judged = self._judges()
         spike = self._check(trainer)
         if spike is None:

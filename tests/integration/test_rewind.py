@@ -153,7 +153,10 @@ class LearningRates(ember.Callback):
         self.lrs[trainer.global_step + 1] = trainer.optimizers[0].param_groups[0]["lr"]
 
 
-def test_lr_scale_applies_for_its_steps_after_a_rewind(tmp_path: Path) -> None:
+@pytest.mark.parametrize("scaled_steps", [4, 3], ids=["ends on a checking step", "ends between checks"])
+def test_lr_scale_applies_for_its_steps_after_a_rewind(tmp_path: Path, scaled_steps: int) -> None:
+    """The scale ends after exactly `lr_scale_steps` steps, also where that is not a step the guard checks at (it
+    used to end only on a checking step: with 3 steps and checks every 2, never)."""
     ids = batch_ids(24 * 4, 4)
     guard = SpikeGuard(
         factor=50,
@@ -162,12 +165,12 @@ def test_lr_scale_applies_for_its_steps_after_a_rewind(tmp_path: Path) -> None:
         check_every_n_steps=2,
         snapshot_every_n_steps=2,
         lr_scale=0.5,
-        lr_scale_steps=4,
+        lr_scale_steps=scaled_steps,
     )
     lrs = LearningRates()
     fit(tmp_path, PoisonData(96, frozenset(ids[9])), 4, guard, lrs, lr=0.02)
     assert guard.rewinds[0]["restored_step"] == 8
-    assert [lrs.lrs[s] for s in range(9, 16)] == [0.01, 0.01, 0.01, 0.01, 0.02, 0.02, 0.02]
+    assert [lrs.lrs[s] for s in range(9, 16)] == [0.01] * scaled_steps + [0.02] * (7 - scaled_steps)
     assert lrs.lrs[8] == 0.02
 
 
