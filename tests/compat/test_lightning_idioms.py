@@ -753,7 +753,6 @@ def _rows_of(base: type) -> type:
 def test_logger_rows_of_validation_epoch_ends_and_test_are_at_lightnings_steps(every: int) -> None:
     """Every row a logger gets (its step and the names in it): step rows, validation inside fit every 2 batches,
     epoch ends with ``on_epoch`` values, and ``test()`` after fit, which logs at the steps taken."""
-    from lightning.pytorch.loggers import Logger as LightningLogger
 
     def training_step(self: Any, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = _loss(self, batch)
@@ -767,21 +766,7 @@ def test_logger_rows_of_validation_epoch_ends_and_test_are_at_lightnings_steps(e
         self.log("test_loss", _loss(self, batch))
 
     steps = {"training_step": training_step, "validation_step": validation_step, "test_step": test_step}
-    seen = {}
-    quiet = {"enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False}
-    for base, fw, logger_base in (
-        (pl.LightningModule, pl, LightningLogger),
-        (ember.TrainingModule, ember, ember.loggers.Logger),
-    ):
-        logger = _rows_of(logger_base)()
-        options = {"accelerator": "cpu", "devices": 1} if fw is pl else {}
-        trainer = fw.Trainer(
-            max_epochs=2, log_every_n_steps=every, val_check_interval=2, logger=logger, **quiet, **options
-        )
-        module = _regressor(base, **steps)
-        trainer.fit(module, _data(n=16, batch_size=4), _data(n=8, batch_size=4, seed=1))
-        trainer.test(module, _data(n=8, batch_size=4, seed=2))
-        seen[base] = logger.rows
+    seen, _ = _logged_rows_under_both(steps, every=every, val_check_interval=2, train_samples=16)
     ember_rows = seen[ember.TrainingModule]
     assert ember_rows == seen[pl.LightningModule]
     first_step_row = next(step for step, names in ember_rows if names == ["loss_step"])
@@ -795,7 +780,6 @@ def test_logger_rows_of_manual_optimization_with_several_steps_per_batch_are_lig
     loggers get Lightning's rows (step and names): one per batch that logs, at the batches taken before it,
     every `every` batches, epoch ends and validation at the same steps, and ``test()`` at the batches taken;
     ``global_step`` counts every optimizer step, as in Lightning."""
-    from lightning.pytorch.loggers import Logger as LightningLogger
 
     def configure_optimizers(self: Any) -> list[torch.optim.Optimizer]:
         return [torch.optim.SGD(self.net[0].parameters(), lr=0.05), torch.optim.SGD(self.net[2].parameters(), lr=0.05)]
@@ -824,6 +808,22 @@ def test_logger_rows_of_manual_optimization_with_several_steps_per_batch_are_lig
         "validation_step": validation_step,
         "test_step": test_step,
     }
+    seen, steps = _logged_rows_under_both(methods, every=every, val_check_interval=3, train_samples=24, manual=True)
+    ember_rows = seen[ember.TrainingModule]
+    assert ember_rows == seen[pl.LightningModule]
+    assert steps[ember.TrainingModule] == steps[pl.LightningModule] == 2 * (2 + 1 + 1 + 1 + 2 + 0)  # 2 x 6 batches
+    step_rows = [step for step, names in ember_rows if names == ["loss_step"]]
+    assert step_rows == list(range(every - 1, 12, every))  # a row every `every` batches, whatever stepped
+    assert ember_rows[-1] == (12, ["test_loss"])  # 2 epochs x 6 batches, then test
+
+
+def _logged_rows_under_both(
+    methods: dict[str, Any], every: int, val_check_interval: int, train_samples: int, manual: bool = False
+) -> tuple[dict[type, list[Any]], dict[type, int]]:
+    """The same small module (`methods` on `_regressor`) fit for 2 epochs then tested, under Lightning and under
+    ember: each framework's logged (step, names) rows and its ``global_step`` after fit, by module base class."""
+    from lightning.pytorch.loggers import Logger as LightningLogger
+
     seen, steps = {}, {}
     quiet = {"enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False}
     for base, fw, logger_base in (
@@ -833,17 +833,17 @@ def test_logger_rows_of_manual_optimization_with_several_steps_per_batch_are_lig
         logger = _rows_of(logger_base)()
         options = {"accelerator": "cpu", "devices": 1} if fw is pl else {}
         trainer = fw.Trainer(
-            max_epochs=2, log_every_n_steps=every, val_check_interval=3, logger=logger, **quiet, **options
+            max_epochs=2,
+            log_every_n_steps=every,
+            val_check_interval=val_check_interval,
+            logger=logger,
+            **quiet,
+            **options,
         )
         module = _regressor(base, **methods)
-        module.automatic_optimization = False
-        trainer.fit(module, _data(n=24, batch_size=4), _data(n=8, batch_size=4, seed=1))
+        module.automatic_optimization = not manual
+        trainer.fit(module, _data(n=train_samples, batch_size=4), _data(n=8, batch_size=4, seed=1))
         steps[base] = trainer.global_step
         trainer.test(module, _data(n=8, batch_size=4, seed=2))
         seen[base] = logger.rows
-    ember_rows = seen[ember.TrainingModule]
-    assert ember_rows == seen[pl.LightningModule]
-    assert steps[ember.TrainingModule] == steps[pl.LightningModule] == 2 * (2 + 1 + 1 + 1 + 2 + 0)  # 2 x 6 batches
-    step_rows = [step for step, names in ember_rows if names == ["loss_step"]]
-    assert step_rows == list(range(every - 1, 12, every))  # a row every `every` batches, whatever stepped
-    assert ember_rows[-1] == (12, ["test_loss"])  # 2 epochs x 6 batches, then test
+    return seen, steps
