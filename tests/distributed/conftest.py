@@ -1,7 +1,7 @@
 """Shared runs of the distributed tests (issue 6, "must show" 1-5; DESIGN.md section 8).
 
 Starting two workers costs 10-20 s on a loaded 2-core machine, so the DDP, FSDP and evaluation runs share
-one torchrun job (`main_job`, the sections of `dist_workload.main_job`, each saved per rank), and the
+one 2-process job (`main_job`, the sections of `dist_workload.main_job`, each saved per rank), and the
 single-process references run once inside the pytest process (`single`). Tests that need their own
 launch (multi-node, SLURM, failures, re-launch) start it themselves and compare against these.
 """
@@ -54,7 +54,7 @@ class MainJob:
 def main_job(tmp_path_factory: pytest.TempPathFactory) -> MainJob:
     directory = tmp_path_factory.mktemp("main_job")
     script = harness.write_script(directory, MAIN_SCRIPT)
-    job = harness.run(harness.torchrun(script, str(directory / "out")), cwd=directory, timeout=240)
+    job = harness.run(harness.spawn(script, str(directory / "out")), cwd=directory, timeout=240)
     print(f"main job: {harness.describe(job)}")
     return MainJob(directory / "out", job)
 

@@ -24,6 +24,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 WORKLOAD = HERE / "dist_workload.py"
+FORKRUN = HERE / "forkrun.py"
 
 #: Variables of an enclosing launcher (a CI job under SLURM or torchrun) that must not leak into a job.
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "ROLE_RANK")
@@ -78,6 +79,16 @@ def torchrun(
             cmd.append(f"--node-rank={node_rank}")
     if max_restarts:
         cmd.append(f"--max-restarts={max_restarts}")
+    return [*cmd, str(script), *args]
+
+
+def spawn(script: Path, *args: str, nproc: int = 2, preload: Sequence[str] = ()) -> list[str]:
+    """A single-node job of `nproc` ranks forked from one launcher that imported what `script` imports (and
+    `preload`) once: `forkrun.py`. For jobs that test what ember does on several processes, not what torchrun
+    does (restarts, rendezvous, its agent): those use `torchrun`."""
+    cmd = [sys.executable, str(FORKRUN), f"--nproc-per-node={nproc}"]
+    if preload:
+        cmd.append(f"--preload={','.join(preload)}")
     return [*cmd, str(script), *args]
 
 

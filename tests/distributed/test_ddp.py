@@ -1,6 +1,6 @@
 """DDP over gloo with 2 processes (issue 6, "must show" 1; the data rules of docs/distributed.md).
 
-The runs are sections of the shared torchrun job (`conftest.main_job`): ``ddp_seq`` trains 20 SGD steps
+The runs are sections of the shared 2-process job (`conftest.main_job`): ``ddp_seq`` trains 20 SGD steps
 with 2 x batch 4 over a ``shuffle=False`` loader, ``ddp_shuffled`` 3 epochs over a ``shuffle=True`` one,
 ``ddp_samplers`` feeds loaders the user built with their own (batch) sampler. The reference is one process
 with batch 8 (`conftest.single`).

@@ -2,7 +2,7 @@
 
 The freshly initialised `dist_workload.Net` is validated and tested (default steps: ``val/loss`` logged
 with ``sync_dist=True``, ``val/acc`` a torchmetrics accuracy) over 37 samples (ranks get 19 and 18) and
-41 samples (with batch 5, rank 0 gets 5 batches and rank 1 gets 4), inside the shared torchrun job
+41 samples (with batch 5, rank 0 gets 5 batches and rank 1 gets 4), inside the shared 2-process job
 (`conftest.main_job`), under DDP and FSDP; the reference runs in the pytest process (`conftest.single`).
 """
 

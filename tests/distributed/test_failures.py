@@ -112,7 +112,7 @@ def test_a_preemption_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_p
     """SIGTERM reaches rank 1 only: both ranks stop at one boundary, save a checkpoint there, and exit with
     EXIT_PREEMPTED; the run resumed from it continues exactly as an uninterrupted one."""
     script = harness.write_script(tmp_path, PREEMPT_SCRIPT)
-    job = harness.run(harness.torchrun(script, "out"), tmp_path, timeout=150)
+    job = harness.run(harness.spawn(script, "out"), tmp_path, timeout=150)
     ranks = harness.results(tmp_path / "out", "preempted", 2, job)
     assert job.returncode == 0, harness.describe(job)
     sent_at = ranks[1]["sent_at"]

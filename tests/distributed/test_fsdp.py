@@ -1,6 +1,6 @@
 """FSDP2 with 2 processes, and checkpoints across strategies and world sizes (issue 6, "must show" 2).
 
-Sections of the shared torchrun job (`conftest.main_job`): ``fsdp_seq`` is ``ddp_seq`` under FSDP;
+Sections of the shared 2-process job (`conftest.main_job`): ``fsdp_seq`` is ``ddp_seq`` under FSDP;
 ``fsdp_resume`` runs the shuffled AdamW/dropout fit uninterrupted, then stopped at step 10 with a
 checkpoint every 5 steps, then resumed from ``last`` in a new Trainer. The one-process resumes run here.
 """
@@ -71,7 +71,7 @@ for name, make in (("ddp", W.ddp), ("fsdp", W.fsdp)):
 @pytest.mark.slow
 def test_compile_under_ddp_compiles_the_model_and_under_fsdp_each_sharded_block(tmp_path) -> None:
     script = harness.write_script(tmp_path, COMPILE_SCRIPT)
-    job = harness.run(harness.torchrun(script, "out"), tmp_path, timeout=300)
+    job = harness.run(harness.spawn(script, "out"), tmp_path, timeout=300)
     expected = {"ddp": ["model"], "fsdp": ["model.1", "model.2"]}  # FSDP: the two Blocks, not the root
     for name, compiled_modules in expected.items():
         for result in harness.results(tmp_path / "out", f"compile_{name}", 2, job):
@@ -128,7 +128,7 @@ def test_background_checkpoint_writes_neither_hang_nor_change_training(main_job,
     """``ModelCheckpoint(every_n_train_steps=1, async_save=True)`` under DDP and FSDP: each write's collectives
     run in a background thread while training (and the preemption flag) go on in the main one."""
     script = harness.write_script(tmp_path, ASYNC_SCRIPT)
-    job = harness.run(harness.torchrun(script, "out"), tmp_path, timeout=150)
+    job = harness.run(harness.spawn(script, "out"), tmp_path, timeout=150)
     references = {
         "async_ddp": main_job.results("ddp_shuffled"),
         "async_fsdp": [r["full"] for r in main_job.results("fsdp_resume")],

@@ -145,7 +145,7 @@ def staging_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, harness
     """The job, run once for the tests of this module: (its output folder, how it ended)."""
     directory = tmp_path_factory.mktemp("staging_job")
     script = harness.write_script(directory, SCRIPT)
-    job = harness.run(harness.torchrun(script, str(directory / "out")), directory, timeout=240)
+    job = harness.run(harness.spawn(script, str(directory / "out")), directory, timeout=240)
     return directory / "out", job
 
 

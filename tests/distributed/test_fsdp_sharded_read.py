@@ -120,7 +120,7 @@ W.section(out, "sharded_read", job)
 @pytest.mark.slow  # two processes, three short FSDP fits each: about 20 s on 2 cores
 def test_each_rank_reads_about_half_of_an_fsdp_checkpoint(tmp_path: Path) -> None:
     script = harness.write_script(tmp_path, SCRIPT)
-    job = harness.run(harness.torchrun(script, str(tmp_path / "out")), tmp_path, timeout=240)
+    job = harness.run(harness.spawn(script, str(tmp_path / "out")), tmp_path, timeout=240)
     results = harness.results(tmp_path / "out", "sharded_read", 2, job)
     for rank, result in enumerate(results):
         state = result["state_bytes"]

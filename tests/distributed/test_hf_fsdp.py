@@ -130,7 +130,7 @@ BLOCK_SHAPES = {"gpt2": ((16, 128), (32, 128)), "bert": ((32, 32), (64, 32))}  #
 def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, harness.Finished]:
     directory = tmp_path_factory.mktemp("hf_fsdp")
     script = harness.write_script(directory, HF_SCRIPT)
-    return directory / "out", harness.run(harness.torchrun(script, str(directory / "out")), directory, timeout=300)
+    return directory / "out", harness.run(harness.spawn(script, str(directory / "out")), directory, timeout=300)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])

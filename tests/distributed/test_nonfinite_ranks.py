@@ -85,7 +85,7 @@ def _run(tmp_path, mode: str) -> list[dict]:
     script = harness.write_script(tmp_path, SCRIPT)
     out = tmp_path / "out"
     out.mkdir()
-    job = harness.run(harness.torchrun(script, mode, str(out)), tmp_path, timeout=120)
+    job = harness.run(harness.spawn(script, mode, str(out)), tmp_path, timeout=120)
     assert not job.timed_out, harness.describe(job)
     files = [out / f"rank{r}.json" for r in (0, 1)]
     assert all(f.exists() for f in files), harness.describe(job)

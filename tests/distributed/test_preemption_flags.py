@@ -62,7 +62,7 @@ def test_ranks_exchange_flags_a_few_times_a_second_and_stop_at_the_same_boundary
 
     script = harness.write_script(tmp_path, SCRIPT)
     (tmp_path / "out").mkdir()
-    job = harness.run(harness.torchrun(script, str(tmp_path / "out")), tmp_path, timeout=120)
+    job = harness.run(harness.spawn(script, str(tmp_path / "out")), tmp_path, timeout=120)
     assert job.returncode == 0, harness.describe(job)
     ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
     print(ranks)
@@ -144,7 +144,7 @@ def test_no_exchange_is_in_flight_when_training_ends_or_while_a_profiler_records
 
     script = harness.write_script(tmp_path, PROFILED)
     (tmp_path / "out").mkdir()
-    job = harness.run(harness.torchrun(script, str(tmp_path / "out")), tmp_path, timeout=120)
+    job = harness.run(harness.spawn(script, str(tmp_path / "out")), tmp_path, timeout=120)
     assert job.returncode == 0, harness.describe(job)
     ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank in ranks:

@@ -80,7 +80,7 @@ def test_both_ranks_rewind_together_and_match_one_process_with_the_double_batch(
     shutil.copy(rewind_workload.__file__, tmp_path / "rewind_workload.py")
     out = tmp_path / "out"
     out.mkdir()
-    job = harness.run(harness.torchrun(script, str(out)), tmp_path, timeout=180)
+    job = harness.run(harness.spawn(script, str(out)), tmp_path, timeout=180)
     assert not job.timed_out, harness.describe(job)
     files = [out / f"rank{r}.json" for r in (0, 1)]
     assert all(f.exists() for f in files), harness.describe(job)

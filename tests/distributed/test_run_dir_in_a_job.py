@@ -32,7 +32,7 @@ if trainer.global_rank == 1:  # once rank 0 is past its run (which, before, remo
 
 def test_a_write_free_job_keeps_its_run_dir_for_every_process(tmp_path) -> None:
     script = harness.write_script(tmp_path, SCRIPT)
-    job = harness.run(harness.torchrun(script, str(tmp_path / "out")), tmp_path, timeout=120)
+    job = harness.run(harness.spawn(script, str(tmp_path / "out")), tmp_path, timeout=120)
     assert job.returncode == 0, harness.describe(job)
     written = sorted(p.name for p in (tmp_path / "out" / "runs").glob("*/version_0/after-rank*.txt"))
     assert written == ["after-rank0.txt", "after-rank1.txt"], harness.describe(job)

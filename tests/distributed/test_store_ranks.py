@@ -120,7 +120,7 @@ machine("g")
 w.section(out, "preempted", preempted)
 
 machine("f")
-fit(url + "/killed", ckpt_every=5, callbacks=[KillAfterUpload()])  # the job ends here: torchrun stops rank 0
+fit(url + "/killed", ckpt_every=5, callbacks=[KillAfterUpload()])  # the job ends here: the launcher stops rank 0
 """
 
 
@@ -144,7 +144,7 @@ def job(tmp_path_factory: pytest.TempPathFactory, s3_server_env: dict[str, str])
         url = f"s3://{_bucket()}/runs"
     script = harness.write_script(directory, SCRIPT)
     out, machines = directory / "out", directory / "machines"
-    cmd = harness.torchrun(script, str(out), str(machines), url)
+    cmd = harness.spawn(script, str(out), str(machines), url)
     finished = harness.run(cmd, cwd=directory, timeout=300, env=harness.clean_env(s3_server_env))
     results = {}
     sections = ["full", "stopped", "resumed", "failing", "shared", "preempted"]
@@ -229,7 +229,7 @@ def test_a_preempted_job_commits_its_preemption_checkpoint_before_it_exits(job: 
 
 
 def test_a_process_killed_after_its_upload_leaves_that_checkpoint_uncommitted(job: dict[str, Any], s3_env) -> None:
-    assert job["job"].returncode != 0  # rank 1 was killed, and torchrun stopped rank 0
+    assert job["job"].returncode != 0  # rank 1 was killed, and the launcher stopped rank 0
     url = f"{job['url']}/killed/shuffled/version_0/checkpoints"
     fs, root = open_store(url)
     found = _checkpoints(fs, root)

@@ -1,6 +1,6 @@
 """The finders under DDP with 2 gloo processes: every rank runs them and all agree.
 
-One torchrun job (`JOB`) runs, on both ranks: a DDP fit from a seeded module (the reference); the same with
+One 2-process job (`JOB`) runs, on both ranks: a DDP fit from a seeded module (the reference); the same with
 `lr_find` first (the range test all-reduces each step's loss, so both ranks see one curve); and
 `scale_batch_size` with a different memory budget on each rank (a size fits only if it fits on both).
 """
@@ -87,7 +87,7 @@ w.section(out, "batch_size", batch_size)
 def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[harness.Finished, object]:
     directory = tmp_path_factory.mktemp("tuning_ddp")
     script = harness.write_script(directory, JOB)
-    finished = harness.run(harness.torchrun(script, str(directory / "out")), cwd=directory, timeout=240)
+    finished = harness.run(harness.spawn(script, str(directory / "out")), cwd=directory, timeout=240)
     print(f"tuning job: {harness.describe(finished)}")
     return finished, directory / "out"
 

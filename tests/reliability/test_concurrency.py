@@ -170,7 +170,7 @@ print(f"rank {rank}: finished", flush=True)
 @pytest.mark.distributed
 def test_uneven_batches_across_ranks_are_an_error_on_every_rank(tmp_path: Path) -> None:
     script = harness.write_script(tmp_path, UNEVEN)
-    job = harness.run(harness.torchrun(script), cwd=tmp_path, timeout=180)
+    job = harness.run(harness.spawn(script), cwd=tmp_path, timeout=180)
     assert not job.timed_out, harness.describe(job)
     for rank in (0, 1):
         assert f"rank {rank}: the processes have different numbers of training batches per epoch " in job.output

@@ -192,7 +192,7 @@ def test_two_processes_fill_the_disk_and_both_end_with_a_clean_error(
 ) -> None:
     folder = small_disk / "ckpts"
     script = harness.write_script(tmp_path / "job", TWO_PROCESSES)
-    job = harness.run(harness.torchrun(script, str(folder), mode), cwd=tmp_path / "job", timeout=240)
+    job = harness.run(harness.spawn(script, str(folder), mode), cwd=tmp_path / "job", timeout=240)
     assert not job.timed_out, harness.describe(job)
     for rank in (0, 1):
         assert f"rank {rank}: CheckpointWriteError: " in job.output, harness.describe(job)

@@ -297,7 +297,7 @@ def test_under_ddp_only_process_0_holds_the_run_and_a_refusal_stops_every_proces
     import dist_harness as harness
 
     script = harness.write_script(tmp_path, DDP_JOB)
-    job = harness.run(harness.torchrun(script, str(tmp_path / "out"), str(tmp_path / "runs")), tmp_path, timeout=240)
+    job = harness.run(harness.spawn(script, str(tmp_path / "out"), str(tmp_path / "runs")), tmp_path, timeout=240)
     assert not job.timed_out, harness.describe(job)
     held = harness.results(tmp_path / "out", "held", 2, job)
     rank0_pid = held[0]["pid"]

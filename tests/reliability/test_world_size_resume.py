@@ -185,7 +185,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         result.one_first = fit(result.roots / "one", stop_at=20)
         fit(result.roots / "custom", stop_at=5, sampler="custom")
     script = harness.write_script(base, JOB_SCRIPT.format(here=str(HERE)))
-    command = harness.torchrun(script, str(base / "out"), str(result.roots))
+    command = harness.spawn(script, str(base / "out"), str(result.roots))
     result.job = harness.run(command, cwd=base, timeout=300)
     if (result.roots / "two").exists():
         result.copy_of("two")  # before any resume touches it
