@@ -82,13 +82,17 @@ def torchrun(
     return [*cmd, str(script), *args]
 
 
-def spawn(script: Path, *args: str, nproc: int = 2, preload: Sequence[str] = ()) -> list[str]:
+def spawn(
+    script: Path, *args: str, nproc: int = 2, preload: Sequence[str] = (), path: Sequence[Path] = ()
+) -> list[str]:
     """A single-node job of `nproc` ranks forked from one launcher that imported what `script` imports (and
-    `preload`) once: `forkrun.py`. For jobs that test what ember does on several processes, not what torchrun
-    does (restarts, rendezvous, its agent): those use `torchrun`."""
+    `preload`, also looked up in `path`) once: `forkrun.py`. For jobs that test what ember does on several
+    processes, not what torchrun does (restarts, rendezvous, its agent): those use `torchrun`."""
     cmd = [sys.executable, str(FORKRUN), f"--nproc-per-node={nproc}"]
     if preload:
         cmd.append(f"--preload={','.join(preload)}")
+    if path:
+        cmd.append(f"--path={os.pathsep.join(map(str, path))}")
     return [*cmd, str(script), *args]
 
 

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
-from torchmetrics.classification import MulticlassAccuracy
 
 import ember
 from ember.callbacks.model_checkpoint import ModelCheckpoint
@@ -71,13 +70,20 @@ class Block(nn.Module):
 
 
 class Net(ember.TrainingModule):
-    """3-class classifier; default validation step (``val/loss`` with sync_dist, ``val/acc`` torchmetrics)."""
+    """3-class classifier; default validation step (``val/loss`` with sync_dist, ``val/acc`` torchmetrics).
 
-    def __init__(self, dropout: float = 0.0, adamw: bool = False) -> None:
+    ``accuracy=False`` leaves the torchmetrics accuracy out, for runs that never evaluate: importing
+    torchmetrics costs a process about 2 s of CPU (it imports transformers and scipy), and the accuracy holds no
+    parameters, so training is the same with or without it."""
+
+    def __init__(self, dropout: float = 0.0, adamw: bool = False, accuracy: bool = True) -> None:
         super().__init__()
         self.model = nn.Sequential(nn.Linear(4, 16), Block(16, dropout), Block(16, dropout), nn.Linear(16, 3))
         self.loss_fn = nn.CrossEntropyLoss()
-        self.metrics = {"acc": MulticlassAccuracy(num_classes=3, average="micro")}
+        if accuracy:
+            from torchmetrics.classification import MulticlassAccuracy
+
+            self.metrics = {"acc": MulticlassAccuracy(num_classes=3, average="micro")}
         self.adamw = adamw
         self.seen: list[list[int]] = []
         self.losses: list[float] = []
@@ -243,7 +249,7 @@ def fit_shuffled(
     """AdamW, dropout, a ``shuffle=True`` loader: what an exact resume has to get right (`module_cls`: a
     subclass of `Net` in its place)."""
     ember.seed_everything(SEED)
-    module = (module_cls or Net)(dropout=0.2, adamw=True)
+    module = (module_cls or Net)(dropout=0.2, adamw=True, accuracy=False)  # no validation
     cbs: list[ember.Callback] = []
     if ckpt_every is not None:
         cbs.append(ModelCheckpoint(every_n_train_steps=ckpt_every, save_top_k=keep, async_save=async_save))
@@ -268,7 +274,7 @@ def fit_shuffled(
 def fit_seen(strategy: Any, loader: DataLoader, steps: int = 3, **trainer_kwargs: Any) -> list[list[int]]:
     """Sample indices of the first `steps` steps through `loader`."""
     ember.seed_everything(SEED)
-    module = Net()
+    module = Net(accuracy=False)  # no validation
     trainer = ember.Trainer(
         max_steps=steps,
         strategy=strategy,
@@ -411,7 +417,7 @@ def raise_job(out: Path) -> None:
     """Rank 1 raises at step 3; a rank whose fit ever returns writes ``done-rank<R>``."""
     out.mkdir(parents=True, exist_ok=True)
     ember.seed_everything(SEED)
-    module = Net()
+    module = Net(accuracy=False)  # no validation
     trainer = ember.Trainer(
         max_steps=200, strategy=ddp(), callbacks=[RaiseAt(out, 1, 3)], accelerator=ACCELERATOR, **QUIET
     )
@@ -464,7 +470,7 @@ def preempt_job(out: Path) -> None:
 
     def run() -> dict[str, Any]:
         ember.seed_everything(SEED)
-        module, notice = Net(dropout=0.2, adamw=True), SignalAt(1, 5)
+        module, notice = Net(dropout=0.2, adamw=True, accuracy=False), SignalAt(1, 5)
         trainer = ember.Trainer(
             max_epochs=1000,
             strategy=ddp(),

@@ -1,6 +1,6 @@
 """A torchrun stand-in for the tests' single-node jobs: import once, fork every rank.
 
-``python forkrun.py --nproc-per-node=N [--preload=MOD,...] script.py args...`` imports torch, ember, the
+``python forkrun.py --nproc-per-node=N [--preload=MOD,...] [--path=DIRS] script.py args...`` imports torch, ember, the
 modules ``script.py`` imports at its top level and the `--preload` modules once, then forks N ranks. Each
 rank gets the variables torchrun gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``) and runs
@@ -123,11 +123,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--preload", default="", help="comma-separated modules to import before forking")
+    parser.add_argument("--path", default="", help="os.pathsep-separated folders to import --preload modules from")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     options = parser.parse_args()
     script = os.path.abspath(options.script)
     sys.path[0] = os.path.dirname(script)  # as `python script.py` would have it
+    sys.path[1:1] = [folder for folder in options.path.split(os.pathsep) if folder]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for name in ["torch", "ember", *_imports_of(script), *filter(None, options.preload.split(","))]:
         with contextlib.suppress(ImportError):  # the rank meets the same error and reports it

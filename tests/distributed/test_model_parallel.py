@@ -62,7 +62,11 @@ class Job:
 def _launch(directory: Path, nproc: int, *args: str) -> Job:
     script = harness.write_script(directory, SCRIPT)
     out = directory / "out"
-    finished = harness.run(harness.spawn(script, *args[:1], str(out), *args[1:], nproc=nproc), directory, 420)
+    finished = harness.run(
+        harness.spawn(script, *args[:1], str(out), *args[1:], nproc=nproc, preload=["mp_workload"], path=[HERE, ROOT]),
+        directory,
+        420,
+    )
     print(f"{args[0]} ({nproc} processes): {harness.describe(finished)}")
     return Job(out, finished, nproc)
 
