@@ -27,16 +27,54 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--short", action="store_true", help="2 repeats of 1 epoch (for CI)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per variant (default 7)")
+    parser.add_argument("--nproc", type=int, default=2, help="processes when not started by torchrun (default 2)")
+    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
+    return parser.parse_args()
+
+
+def relaunch(args: list[str], nproc: int) -> None:
+    """Not under torchrun: run this file again under it, `nproc` processes. The child gets the other
+    arguments: torchrun's own parser reads ``--nproc`` after the script name as an abbreviation of its
+    ``--nproc-per-node`` and rejects it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__]
+    cmd += without_nproc(args)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    raise SystemExit(subprocess.call(cmd, env=env))
+
+
+def without_nproc(args: list[str]) -> list[str]:
+    """`args` without ``--nproc N`` / ``--nproc=N`` (what the relaunch already applied)."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            kept.append(arg)
+    return kept
+
+
+if __name__ == "__main__" and "LOCAL_RANK" not in os.environ:  # the launcher: torchrun, before importing torch
+    relaunch(sys.argv[1:], parse_args().nproc)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import ember
-from benchmarks.overhead import Tiny, make_model  # the same tiny MLP and module as the single-process benchmark
+import ember  # noqa: E402
+
+# the same tiny MLP and module as the single-process benchmark
+from benchmarks.overhead import Tiny, make_model  # noqa: E402
 
 BATCH, STEPS_PER_EPOCH, GOAL = 32, 256, 1.05
 
@@ -101,36 +139,8 @@ def run_ember(data: TensorDataset, epochs: int, accelerator: str) -> float:
     return timer.seconds
 
 
-def relaunch(args: list[str], nproc: int) -> None:
-    """Not under torchrun: run this file again under it, `nproc` processes. The child gets the other
-    arguments: torchrun's own parser reads ``--nproc`` after the script name as an abbreviation of its
-    ``--nproc-per-node`` and rejects it."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__]
-    cmd += without_nproc(args)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    raise SystemExit(subprocess.call(cmd, env=env))
-
-
-def without_nproc(args: list[str]) -> list[str]:
-    """`args` without ``--nproc N`` / ``--nproc=N`` (what the relaunch already applied)."""
-    kept, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg == "--nproc":
-            skip = True
-        elif not arg.startswith("--nproc="):
-            kept.append(arg)
-    return kept
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--short", action="store_true", help="2 repeats of 1 epoch (for CI)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per variant (default 7)")
-    parser.add_argument("--nproc", type=int, default=2, help="processes when not started by torchrun (default 2)")
-    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
-    args = parser.parse_args()
+    args = parse_args()
     if "LOCAL_RANK" not in os.environ:
         relaunch(sys.argv[1:], args.nproc)
     epochs, repeats = (1, 2) if args.short else (2, args.repeats or 7)

@@ -112,11 +112,51 @@ def per_step(short_run: Counts, long_run: Counts) -> dict[int, float]:
     }
 
 
-def measure(variants: list[str]) -> dict[str, dict[int, float]]:
-    """Calls per step by size class for each of `variants`."""
+#: Imports overhead.py once with the counting library preloaded, then runs each "variant<TAB>epochs<TAB>out"
+#: line of stdin in a child forked from there; the child exits through exit(), so the library writes its counts.
+FORKER = r"""
+import os, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+import overhead
+for line in sys.stdin:
+    variant, epochs, out = line.rstrip("\n").split("\t")
+    pid = os.fork()
+    if pid == 0:
+        os.environ["MALLOC_CALLS_OUT"] = out
+        with tempfile.TemporaryDirectory() as root:
+            overhead.make_variants(int(epochs), root)[variant]()
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("forked run exit status", status, flush=True)
+"""
+
+
+def run_forked(library: Path, runs: list[tuple[str, int]], directory: Path) -> list[Counts]:
+    """The calls of each (variant, epochs) run, each in a child forked after the imports (see `measure`)."""
+    env = dict(os.environ, LD_PRELOAD=str(library), PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
+    env.pop("MALLOC_CALLS_OUT", None)
+    outs = [directory / f"{variant.replace(' ', '_').replace(',', '')}-{epochs}.txt" for variant, epochs in runs]
+    lines = "".join(f"{variant}\t{epochs}\t{out}\n" for (variant, epochs), out in zip(runs, outs, strict=True))
+    command = [sys.executable, "-c", FORKER, str(HERE)]
+    done = subprocess.run(command, input=lines, capture_output=True, text=True, check=False, env=env)
+    statuses = [line.split()[-1] for line in done.stdout.splitlines() if line.startswith("forked run exit status ")]
+    if done.returncode != 0 or statuses != ["0"] * len(runs) or not all(out.is_file() for out in outs):
+        raise RuntimeError(f"forked runs failed ({done.returncode}, statuses {statuses}):\n{done.stderr[-2000:]}")
+    return [parse(out.read_text()) for out in outs]
+
+
+def measure(variants: list[str], fork: bool = False) -> dict[str, dict[int, float]]:
+    """Calls per step by size class for each of `variants`.
+
+    Each run is a new process; with `fork`, a child forked from one process that imported torch and ember
+    (the imports' calls are in both runs of a variant, so the difference is the same; the tests use it to
+    import once instead of once per run)."""
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         library = build_counter(directory)
+        if fork:
+            counts = run_forked(library, [(v, epochs) for v in variants for epochs in (SHORT, LONG)], directory)
+            return {variant: per_step(counts[2 * i], counts[2 * i + 1]) for i, variant in enumerate(variants)}
         return {
             variant: per_step(run(library, variant, SHORT, directory), run(library, variant, LONG, directory))
             for variant in variants

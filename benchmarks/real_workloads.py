@@ -20,7 +20,8 @@ logger, progress bar, summary or checkpoint) and a callback that reads the clock
 boundaries; the phases are the training batches of an epoch and the validation that follows them.
 
 In each process, after a warm-up of both, ember and the hand loop alternate (the order swapping each
-round); a ratio is the median over rounds of ember's time over the hand loop's time in the same round.
+round; --short times the warm-up itself); a ratio is the median over rounds of ember's time over the hand
+loop's time in the same round.
 Each workload runs in its own processes, alternately with glibc's CPU allocator tuned by ember (the
 default) and with ``EMBER_TUNE_CPU_ALLOCATOR=0``; in the tuned processes ember tunes the allocator in
 its warm-up fit, so the hand loop that follows runs with the same allocator. Besides the same-process
@@ -477,6 +478,8 @@ def run_child(names: list[str], short: bool, rounds: int, device_name: str, thre
         val = [ember_times["val"], hand_times["val"]]  # the last validation's value: logged by ember, by hand
         del ember_module, hand_module
         timings: dict[str, list[dict[str, float]]] = {"ember": [], "hand": []}
+        if rounds == 0:  # --short: the warm-up runs are the timed ones (the figures mean nothing there anyway)
+            timings = {"ember": [ember_times], "hand": [hand_times]}
         for round_ in range(rounds):
             for side in ("ember", "hand") if round_ % 2 == 0 else ("hand", "ember"):
                 times, _ = runs[side]()
@@ -536,7 +539,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--short", action="store_true", help="a few batches, one process per setting (for CI)")
     parser.add_argument("--processes", type=int, default=3, help="processes per workload and allocator setting")
-    parser.add_argument("--rounds", type=int, default=None, help="alternated rounds per process (default 5; 1 short)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="alternated rounds per process (default 5; short 0: the warm-up is timed)",
+    )
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in each process")
@@ -549,7 +557,9 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rounds is None:
-        args.rounds = 1 if args.short else 5
+        args.rounds = 0 if args.short else 5
+    if args.rounds < 0 or (args.rounds == 0 and not args.short):
+        parser.error(f"--rounds {args.rounds}: need at least 1 round (0 only with --short, which times the warm-up)")
     sys.path.insert(0, str(ROOT))
     if args.child:
         print(json.dumps(run_child(args.child.split(","), args.short, args.rounds, args.device, args.threads)))
@@ -645,7 +655,7 @@ def report(names: list[str], children: dict[bool, list[dict[str, Any]]], args: a
             + f"   x{cross[0]:.3f}, x{cross[1]:.3f}"
         )
     if args.short:
-        print("(short mode: a few batches and one round; the figures mean nothing)")
+        print("(short mode: a few batches, the warm-up run timed; the figures mean nothing)")
     figures = [
         (f"{name} {phase}", median_ratio(runs(True, name, "ember"), runs(True, name, "hand"), phase))
         for name in names

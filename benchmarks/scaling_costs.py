@@ -33,15 +33,40 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--short", action="store_true", help="fewer repeats and a ~1M-parameter checkpoint (CI)")
+    parser.add_argument("--nproc", type=int, default=2, help="processes when not started by torchrun (default 2)")
+    parser.add_argument("--step-us", type=float, default=1000.0, help="busy-wait step of the flag loop (default 1000)")
+    parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
+    return parser.parse_args()
+
+
+def launch(args: argparse.Namespace) -> None:
+    """Run this file again under torchrun, the options forwarded without --nproc (torchrun would take it)."""
+    forwarded = [*(["--short"] if args.short else []), f"--step-us={args.step_us}"]
+    relaunch(forwarded + ([f"--dir={args.dir}"] if args.dir else []), args.nproc)
+
+
+def relaunch(args: list[str], nproc: int) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    raise SystemExit(subprocess.call(cmd, env=env))
+
+
+if __name__ == "__main__" and "LOCAL_RANK" not in os.environ:  # the launcher: torchrun, before importing torch
+    launch(parse_args())
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import ember
-from ember.checkpoint import registry as state
-from ember.strategies import FSDPStrategy
+import ember  # noqa: E402
+from ember.checkpoint import registry as state  # noqa: E402
+from ember.strategies import FSDPStrategy  # noqa: E402
 
 GOAL_SHARE = 0.01
 
@@ -153,22 +178,10 @@ def checkpoint_costs(width: int, depth: int, directory: Path, repeats: int) -> d
     }
 
 
-def relaunch(args: list[str], nproc: int) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    raise SystemExit(subprocess.call(cmd, env=env))
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--short", action="store_true", help="fewer repeats and a ~1M-parameter checkpoint (CI)")
-    parser.add_argument("--nproc", type=int, default=2, help="processes when not started by torchrun (default 2)")
-    parser.add_argument("--step-us", type=float, default=1000.0, help="busy-wait step of the flag loop (default 1000)")
-    parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
-    args = parser.parse_args()
-    if "LOCAL_RANK" not in os.environ:  # forwarded without --nproc, which torchrun would take for its own
-        forwarded = [*(["--short"] if args.short else []), f"--step-us={args.step_us}"]
-        relaunch(forwarded + ([f"--dir={args.dir}"] if args.dir else []), args.nproc)
+    args = parse_args()
+    if "LOCAL_RANK" not in os.environ:
+        launch(args)
     torch.set_num_threads(1)
     strategy = FSDPStrategy(timeout_s=120)
     strategy.devices = int(os.environ["WORLD_SIZE"])

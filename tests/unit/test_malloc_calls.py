@@ -60,7 +60,7 @@ def test_the_loop_allocates_nothing_per_step_beyond_a_raw_loop(script: ModuleTyp
     calls = {
         variant: sum(per_class.values())
         for variant, per_class in script.measure(
-            ["raw", "minimal, no log", "ember minimal", "defaults, no ckpt"]
+            ["raw", "minimal, no log", "ember minimal", "defaults, no ckpt"], fork=True
         ).items()
     }
     assert calls["raw"] > 500  # the counter sees torch's own allocations (about 800 per step here)

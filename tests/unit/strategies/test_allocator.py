@@ -1,9 +1,11 @@
 """CPU allocator tuning: applied on glibc Linux when a run starts, and not when opted out or not glibc's malloc.
 
-Each case runs in a fresh process (the setting is process-wide and cannot be undone). The child runs a
-one-step fit, then reads glibc's behaviour back through ``mallinfo2``: a 64 MiB request is served by
-``mmap`` with glibc's defaults (its adaptive threshold stops at 32 MiB), and from the heap, where the
-freed block stays for the next request, once ember raised the thresholds.
+Each case runs in a fresh process (the setting is process-wide and cannot be undone): a child forked from
+one interpreter per test module that has imported torch and ember but run nothing (so no case pays for the
+imports again), or a new interpreter where the case is about how the process starts (a preloaded malloc).
+The child runs a one-step fit, then reads glibc's behaviour back through ``mallinfo2``: a 64 MiB request is
+served by ``mmap`` with glibc's defaults (its adaptive threshold stops at 32 MiB), and from the heap, where
+the freed block stays for the next request, once ember raised the thresholds.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,64 +74,126 @@ def probe():
     libc.free(block)
     return {"mmapped": mmapped, "kept_after_free": libc.mallinfo2().keepcost >= size}
 
-for options in json.loads(sys.argv[1]):
-    fit(**options)
-status = allocator.allocator_status()
-print(json.dumps({"applied": status.applied, "reason": status.reason, **probe()}))
+def case(fits):
+    for options in fits:
+        fit(**options)
+    status = allocator.allocator_status()
+    return json.dumps({"applied": status.applied, "reason": status.reason, **probe()})
+
+if len(sys.argv) > 1:  # one case in this new interpreter
+    print(case(json.loads(sys.argv[1])))
+else:  # one case per line of stdin ({"fits": [...], "env": {...}}), each in a child forked from here
+    import os
+    for line in sys.stdin:
+        request = json.loads(line)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            os.dup2(2, 1)  # anything the fit prints goes to stderr: stdout carries one answer per line
+            code = 1
+            try:
+                os.environ.update(request["env"])
+                os.write(write, case(request["fits"]).encode())
+                code = 0
+            except BaseException as error:
+                os.write(write, json.dumps({"error": repr(error)}).encode())
+            finally:
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read, "rb") as answer:
+            result = answer.read().decode()
+        os.waitpid(pid, 0)
+        print(result, flush=True)
 """
 
 
-def run_child(fits: list[dict[str, Any]], env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run the fits (one Trainer's keywords each) in a fresh process; what ember says and what glibc does."""
+def clean_env(**env: str) -> dict[str, str]:
+    """This process's environment without the allocator's settings, plus `env`."""
     full_env = {k: v for k, v in os.environ.items() if k != allocator.ENV_VAR and not k.startswith("MALLOC_")}
     full_env.pop("LD_PRELOAD", None)
-    full_env.update(PYTHONPATH=str(ROOT), **(env or {}))
+    full_env.update(PYTHONPATH=str(ROOT), **env)
+    return full_env
+
+
+def run_child(fits: list[dict[str, Any]], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run the fits (one Trainer's keywords each) in a new interpreter; what ember says and what glibc does."""
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(fits)], capture_output=True, text=True, env=full_env, timeout=120
-    )
+        [sys.executable, "-c", CHILD, json.dumps(fits)], capture_output=True, text=True, env=clean_env(**(env or {})),
+        timeout=120,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
+Forked = Callable[..., dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def forked() -> Iterator[Forked]:
+    """Run the fits in a child forked from an interpreter that imported torch and ember and ran nothing."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=clean_env()
+    )
+    assert parent.stdin is not None and parent.stdout is not None
+
+    def run(fits: list[dict[str, Any]], env: dict[str, str] | None = None) -> dict[str, Any]:
+        assert parent.stdin is not None and parent.stdout is not None
+        parent.stdin.write(json.dumps({"fits": fits, "env": env or {}}) + "\n")
+        parent.stdin.flush()
+        line = parent.stdout.readline()
+        assert line, f"the forking interpreter exited with status {parent.wait(timeout=60)}"
+        result: dict[str, Any] = json.loads(line)
+        assert "error" not in result, result["error"]
+        return result
+
+    try:
+        yield run
+    finally:
+        parent.stdin.close()
+        parent.wait(timeout=60)
+        parent.stdout.close()
+
+
 @requires_glibc
-@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
-def test_applied_when_a_run_starts_and_glibc_keeps_freed_blocks() -> None:
-    tuned = run_child([{}])
+@pytest.mark.slow  # a forked fit; the module's forking interpreter costs 3 s of CPU once
+def test_applied_when_a_run_starts_and_glibc_keeps_freed_blocks(forked: Forked) -> None:
+    tuned = forked([{}])
     assert tuned["applied"], tuned
     assert "mmap threshold 256 MiB, trim threshold 1024 MiB" in tuned["reason"]
     assert not tuned["mmapped"] and tuned["kept_after_free"], tuned
 
 
 @requires_glibc
-@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
-def test_opted_out_by_the_trainer_keyword() -> None:
-    result = run_child([{"tune_cpu_allocator": False}])
+@pytest.mark.slow  # a forked fit; the module's forking interpreter costs 3 s of CPU once
+def test_opted_out_by_the_trainer_keyword(forked: Forked) -> None:
+    result = forked([{"tune_cpu_allocator": False}])
     assert not result["applied"] and "tune_cpu_allocator=False" in result["reason"]
     # glibc's defaults: the same request is mmapped and unmapped again (what the other tests rule out).
     assert result["mmapped"] and not result["kept_after_free"], result
 
 
 @requires_glibc
-@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
-def test_opted_out_by_the_environment_variable() -> None:
-    result = run_child([{}], env={allocator.ENV_VAR: "0"})
+@pytest.mark.slow  # a forked fit; the module's forking interpreter costs 3 s of CPU once
+def test_opted_out_by_the_environment_variable(forked: Forked) -> None:
+    result = forked([{}], env={allocator.ENV_VAR: "0"})
     assert not result["applied"] and "EMBER_TUNE_CPU_ALLOCATOR=0" in result["reason"]
     assert result["mmapped"], result
 
 
 @requires_glibc
-@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
-def test_a_later_run_that_allows_it_applies_it_once() -> None:
-    result = run_child([{"tune_cpu_allocator": False}, {}, {"tune_cpu_allocator": False}])
+@pytest.mark.slow  # a forked fit; the module's forking interpreter costs 3 s of CPU once
+def test_a_later_run_that_allows_it_applies_it_once(forked: Forked) -> None:
+    result = forked([{"tune_cpu_allocator": False}, {}, {"tune_cpu_allocator": False}])
     assert result["applied"], result  # applied by the second fit; the third cannot undo it
     assert not result["mmapped"], result
 
 
 @requires_glibc
-@pytest.mark.slow  # 3 s of CPU on a 2-core machine, with the processes it starts
-def test_malloc_options_the_user_set_are_left_alone() -> None:
-    result = run_child([{}], env={"MALLOC_ARENA_MAX": "2"})
+@pytest.mark.slow  # a forked fit; the module's forking interpreter costs 3 s of CPU once
+def test_malloc_options_the_user_set_are_left_alone(forked: Forked) -> None:
+    result = forked([{}], env={"MALLOC_ARENA_MAX": "2"})
     assert not result["applied"] and "MALLOC_ARENA_MAX" in result["reason"], result
     assert result["mmapped"], result
 
