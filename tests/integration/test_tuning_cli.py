@@ -1,6 +1,7 @@
 """``ember tune lr|batch-size`` and ``trainer.profiler`` from YAML, end to end on the digits example.
 
-One real ``ember tune lr`` process checks the command, its output and its run directory; the rest runs
+One real ``ember tune lr`` process checks the command, its output and its run directory; one real
+``ember tune batch-size`` process, shared by the tests of its output, checks that command; the rest runs
 in-process through `ember.cli.main` (the same code without an interpreter start-up).
 """
 
@@ -50,30 +51,42 @@ def test_tune_lr_prints_the_suggestion_and_writes_its_run(tmp_path: Path) -> Non
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.slow  # 8 s of CPU on a 2-core machine, with the processes it starts
-def test_tune_batch_size_prints_the_override(
-    tmp_path: Path, repo_on_path: None, capsys: pytest.CaptureFixture[str]
-) -> None:
-    args = ["tune", "batch-size", "-c", str(DIGITS), "--memory-budget", "400KB", "--steps-per-trial", "2", *QUIET]
-    assert main(args) == 0
-    out = capsys.readouterr().out
+BATCH_SIZE_ARGS = ["tune", "batch-size", "-c", str(DIGITS), "--memory-budget", "400KB", "--steps-per-trial", "2"]
+
+
+@pytest.fixture(scope="module")
+def batch_size_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One ``ember tune batch-size`` process, shared by the tests of its output: (its cwd, what it printed).
+
+    A fresh process: kineto (torch's profiler library) reads its log level once."""
+    cwd = tmp_path_factory.mktemp("tune_batch_size")
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-m", "ember", *BATCH_SIZE_ARGS, *QUIET], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return cwd, done
+
+
+@pytest.mark.slow  # 10 s of CPU on a 2-core machine: the process of `batch_size_run`
+def test_tune_batch_size_prints_the_override(batch_size_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    cwd, done = batch_size_run
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     answer = int(out.split("largest batch size ")[1].split()[0])
     assert f"use it with data.batch_size={answer}" in out
     verdicts = [line for line in out.splitlines() if line.startswith("scale_batch_size: batch size ")]
     assert any(f"batch size {answer}:" in v and v.endswith("fits") for v in verdicts)
     assert any(f"batch size {answer + 1}:" in v and "does not fit" in v for v in verdicts)
-    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*.ckpt"))
+    assert not (cwd / "runs").exists() or not any((cwd / "runs").rglob("*.ckpt"))
 
 
-@pytest.mark.slow  # 14 s of CPU on a 2-core machine, with the processes it starts
-def test_tune_batch_size_prints_nothing_of_the_profilers_own(tmp_path: Path) -> None:
+@pytest.mark.slow  # 10 s of CPU on a 2-core machine: the process of `batch_size_run`
+def test_tune_batch_size_prints_nothing_of_the_profilers_own(
+    batch_size_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
     """Each trial starts and stops torch's profiler; its library (kineto) printed a ``USDT: ... profiler_start``
-    line to stderr at each (34 lines for the digits example). A fresh process: kineto reads its log level once."""
-    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    args = ["tune", "batch-size", "-c", str(DIGITS), "--memory-budget", "400KB", "--steps-per-trial", "2", *QUIET]
-    done = subprocess.run([sys.executable, "-m", "ember", *args], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    line to stderr at each (34 lines for the digits example)."""
+    _, done = batch_size_run
     assert done.returncode == 0, done.stderr
     assert "use it with data.batch_size=" in done.stdout
     assert done.stderr == "", done.stderr
