@@ -15,7 +15,9 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -290,6 +292,34 @@ def test_a_run_on_s3_killed_mid_run_leaves_a_loadable_last_and_logs_then_resumes
     assert not fs.exists(f"{root}/net/version_1")  # the resume continued version_0
 
 
+def _fork(work: Callable[[], object], exit_code: int) -> int:
+    """A child process (forked: importing torch and s3fs again would cost seconds) that does `work`, then
+    exits with `exit_code` at once, running no cleanup: as if it were killed. Returns its pid."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            work()
+            code = exit_code
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _exit_status(pid: int, timeout_s: float = 60) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"the forked process {pid} did not exit within {timeout_s} s")
+
+
 def test_the_run_lock_on_s3_refuses_a_second_writer_and_is_taken_over_from_a_killed_one(
     tmp_path: Path, s3_env: dict[str, str]
 ) -> None:
@@ -308,10 +338,7 @@ def test_the_run_lock_on_s3_refuses_a_second_writer_and_is_taken_over_from_a_kil
         lock.release()
     fs.invalidate_cache()
     assert not fs.exists(root)  # the claim was the run's only object
-    killed = subprocess.Popen([sys.executable, "-c", "import os, sys; from ember.checkpoint.store_lock import "
-                               "StoreRunLock; StoreRunLock.acquire(sys.argv[1]); os._exit(9)", url],
-                              env=dict(os.environ, PYTHONPATH=str(REPO)))  # fmt: skip
-    assert killed.wait(timeout=60) == 9  # exited without releasing: its claim stays on the store
+    assert _exit_status(_fork(lambda: StoreRunLock.acquire(url), exit_code=9)) == 9  # exited without releasing
     fs.invalidate_cache()
     assert [p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False, refresh=True)] == [".writer-0.lock"]
     lock = StoreRunLock.acquire(url)  # its process is gone (same host): taken over at once
