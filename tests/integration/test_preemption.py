@@ -8,13 +8,16 @@ run ``scontrol requeue`` under SLURM, close the loggers and exit with
 `ember.trainer.signals.EXIT_PREEMPTED` (75). Relaunching the same command (``ckpt_path="last"``) must
 end with parameters bitwise equal to an uninterrupted run's.
 
-All scenarios are launched together (they spend most of their time importing torch); every wait is
+All scenarios are launched together, each forked from one process that imported torch and ember once
+(`ZYGOTE`: importing them cost each launch seconds of CPU); a launch is still a process of its own, with
+its own environment, signals and exit status, that runs the script from its first line. Every wait is
 bounded and every process is killed on the way out.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -112,6 +115,98 @@ SCRIPT = textwrap.dedent(
 SCRIPT = SCRIPT.replace("BATCHES", str(BATCHES_PER_EPOCH)).replace("EPOCHS", str(EPOCHS))
 SCRIPT = SCRIPT.replace('"RUN"', repr(RUN_NAME))
 
+ZYGOTE = textwrap.dedent(
+    """
+    # Imports what every launch imports, then forks one launch per "run" line on stdin (a JSON list: script,
+    # arguments, environment, working directory, log file); "poll PID" reaps a launch that has exited and
+    # prints its exit status ("running" if it has not).
+    import json, os, sys
+    import torch
+    import torch._dynamo, torch.distributed.checkpoint  # what a fit imports on first use
+    import ember
+    from ember.loggers.csv import CSVLogger
+
+    for line in sys.stdin:
+        command, _, rest = line.rstrip("\\n").partition("\\t")
+        if command == "run":
+            script, args, env, cwd, log = json.loads(rest)
+            pid = os.fork()
+            if pid == 0:  # the launch: its own environment, arguments and output, then the script as __main__
+                os.environ.clear()
+                os.environ.update(env)
+                os.chdir(cwd)
+                out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(out, 1)
+                os.dup2(out, 2)
+                os.close(out)
+                sys.stdin.close()
+                sys.argv = [script, *args]
+                with open(script) as f:
+                    code = compile(f.read(), script, "exec")
+                exec(code, {"__name__": "__main__", "__file__": script})
+                sys.exit(0)  # a normal end: the interpreter shuts down as after any script
+            print(pid, flush=True)
+        elif command == "poll":
+            done, status = os.waitpid(int(rest), os.WNOHANG)
+            print(os.waitstatus_to_exitcode(status) if done else "running", flush=True)
+    """
+)
+
+
+class Zygote:
+    """The process that forks the launches (see `ZYGOTE`)."""
+
+    def __init__(self, script: Path, log: Path) -> None:
+        self.log = open(log, "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script)], env=_base_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self.log, text=True,
+        )  # fmt: skip
+
+    def ask(self, *words: str) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("\t".join(words) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline().strip()
+        assert answer, f"the zygote exited: {self.proc.wait()}"
+        return answer
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+class Forked:
+    """A launch forked by the zygote, with the part of `subprocess.Popen` that `drive` uses."""
+
+    def __init__(self, zygote: Zygote, script: Path, args: list[str], env: dict[str, str], cwd: Path, log: Path):
+        self.zygote = zygote
+        self.pid = int(zygote.ask("run", json.dumps([str(script), args, env, str(cwd), str(log)])))
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            answer = self.zygote.ask("poll", str(self.pid))
+            self.returncode = None if answer == "running" else int(answer)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)  # not reaped until `poll` says it exited: the pid is still this launch's
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self) -> int:
+        deadline = time.monotonic() + 30
+        while self.poll() is None:
+            assert time.monotonic() < deadline, f"launch {self.pid} did not exit"
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+
 FAKE_SCONTROL = '#!/bin/sh\nprintf "%s\\n" "$@" > "$FAKE_SCONTROL_LOG"\n'
 
 
@@ -124,7 +219,7 @@ class Launch:
     signum: int | None
     env: dict[str, str]
     after: Launch | None = None  # started once that launch has exited
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Forked | None = None
     signalled: bool = False
     returncode: int | None = None
     log: Path = field(init=False)
@@ -137,11 +232,10 @@ class Launch:
     def __post_init__(self) -> None:
         self.log = self.root.with_suffix(".log")
 
-    def start(self, script: Path) -> None:
+    def start(self, zygote: Zygote, script: Path) -> None:
         ready_step = READY_STEP if self.signum is not None else -1
-        args = [sys.executable, str(script), str(self.root), str(self.out), str(self.handshake), str(ready_step)]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.root.parent)
+        args = [str(self.root), str(self.out), str(self.handshake), str(ready_step)]
+        self.proc = Forked(zygote, script, args, self.env, self.root.parent, self.log)
 
     def snapshot(self) -> None:
         """Record what `last` names (and whether it loads) and the steps in metrics.csv."""
@@ -177,7 +271,7 @@ def _base_env(path: str | None = None) -> dict[str, str]:
     return env
 
 
-def drive(launches: list[Launch], script: Path) -> None:
+def drive(launches: list[Launch], script: Path, zygote: Zygote) -> None:
     """Start every launch; signal each when it is ready; wait for all (bounded); kill leftovers."""
     try:
         deadline = time.monotonic() + TIMEOUT_S
@@ -189,7 +283,7 @@ def drive(launches: list[Launch], script: Path) -> None:
                 if launch.proc is None:
                     if launch.after is not None and launch.after.returncode is None:
                         continue
-                    launch.start(script)
+                    launch.start(zygote, script)
                 assert launch.proc is not None
                 ready = Path(f"{launch.handshake}.ready")
                 if launch.signum is not None and not launch.signalled and ready.exists():
@@ -256,7 +350,13 @@ def scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Launch]:
         _launch(base, "slurm_no_scontrol", signal.SIGUSR1, slurm_env(str(empty_bin), "none.argv", SLURM_JOB_ID="55")),
     ]
     launches.append(_relaunch(launches[1]))
-    drive(launches, script)
+    (base / "zygote.py").write_text(ZYGOTE)
+    zygote = Zygote(base / "zygote.py", base / "zygote.log")
+    try:
+        drive(launches, script, zygote)
+    finally:
+        zygote.close()
+    assert not (base / "zygote.log").read_text(), (base / "zygote.log").read_text()
     return {launch.name: launch for launch in launches}
 
 
