@@ -173,15 +173,24 @@ def test_user_module_next_to_the_config_trains_with_the_yaml_optimizer(fitted: t
 
 
 @pytest.mark.slow  # a fit through the ember command in a fresh process (module fixture `fitted`)
-def test_test_and_predict_from_the_best_checkpoint(fitted: tuple[Path, Path, str], tmp_path: Path) -> None:
+@pytest.mark.usefixtures("clean_imports")
+def test_test_and_predict_from_the_best_checkpoint(
+    fitted: tuple[Path, Path, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ember test` and `ember predict` in this process (the same code without two interpreter start-ups; the
+    commands as processes are in test_first_hour.py and test_walkthrough.py), from the fitted run's folder."""
     config, cwd, _ = fitted
+    monkeypatch.chdir(cwd)
     best = max(val_rows(cwd / "runs" / "net" / "version_0"), key=lambda r: float(r["val/acc"]))
-    tested = ember("test", "-c", config, "--ckpt-path", "best", cwd=cwd, pythonpath=None).stdout
+    capsys.readouterr()
+    assert main(["test", "-c", str(config), "--ckpt-path", "best"]) == 0
+    tested = capsys.readouterr().out
     # the test loader is the validation loader: testing the best weights repeats the best epoch's numbers
     assert f"test/acc {float(best['val/acc']):.4f}" in tested.splitlines()[-1]
     assert f"test/loss {float(best['val/loss']):.4f}" in tested.splitlines()[-1]
 
-    predicted = ember("predict", "-c", config, "--ckpt-path", "best", cwd=cwd, pythonpath=None).stdout
+    assert main(["predict", "-c", str(config), "--ckpt-path", "best"]) == 0
+    predicted = capsys.readouterr().out
     last = predicted.strip().splitlines()[-1]
     assert last.startswith("predict done in ") and "1 batch of outputs saved to " in last
     path = cwd / last.split(" saved to ")[1]
@@ -205,7 +214,12 @@ def test_test_and_predict_from_the_best_checkpoint(fitted: tuple[Path, Path, str
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_with_resume_last_and_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:
+@pytest.mark.usefixtures("clean_imports")
+def test_killed_run_resumes_with_resume_last_and_ends_like_an_uninterrupted_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The killed run and its resume are ``ember`` processes; the uninterrupted run they are compared with runs
+    in this process (the same code without an interpreter start-up)."""
     # my_project on PYTHONPATH this time; the config lives elsewhere
     shutil.copytree(PROJECT / "my_project", tmp_path / "lib" / "my_project")
     (tmp_path / "configs").mkdir()
@@ -236,7 +250,9 @@ def test_killed_run_resumes_with_resume_last_and_ends_like_an_uninterrupted_run(
     resumed = val_rows(run_dir)
     assert [int(r["epoch"]) for r in resumed] == [0, 1, 2, 3]
 
-    ember("fit", "-c", config, "trainer.default_root_dir=straight", cwd=tmp_path, pythonpath=tmp_path / "lib")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "lib"), *sys.path])
+    assert main(["fit", "-c", str(config), "trainer.default_root_dir=straight"]) == 0
     straight = val_rows(tmp_path / "straight" / "net" / "version_0")
     assert [(r["step"], r["val/loss"], r["val/acc"]) for r in resumed] == [
         (r["step"], r["val/loss"], r["val/acc"]) for r in straight
