@@ -141,7 +141,7 @@ class Pace(ember.Callback):
 
 @pytest.mark.slow  # two sweeps of 2 workers each
 def test_sigkill_mid_trial_then_the_same_command_finishes_without_counting_twice(
-    files: tuple[Path, Path], tmp_path: Path, capsys: Any
+    files: tuple[Path, Path], tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """2 workers, 6 trials; SIGKILL the sweep (only the sweep: its workers must die with it) while a trial runs
     and another has finished; the same command then completes the study, and its outputs are checked."""
@@ -183,8 +183,17 @@ def test_sigkill_mid_trial_then_the_same_command_finishes_without_counting_twice
     cut_off = [t for t in load(directory).get_trials() if t.state.name == "RUNNING"]
     assert [t for t in cut_off if t.params], "a trial was running with its values drawn when the sweep was killed"
 
-    second = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert second.returncode == 0, second.stdout + second.stderr
+    # The same command again, in this process: the sweep's own interpreter would only import torch again (its
+    # workers are processes either way); `pace` is imported by the config check, from the config's folder.
+    capsys.readouterr()
+    with monkeypatch.context() as patch:
+        patch.chdir(tmp_path)
+        try:
+            code = main(command[3:])
+        finally:
+            sys.modules.pop("pace", None)
+    second = capsys.readouterr()
+    assert code == 0, second.out + second.err
     study = load(directory)
     trials = study.get_trials()
     done = finished(study)
@@ -206,10 +215,13 @@ def test_sigkill_mid_trial_then_the_same_command_finishes_without_counting_twice
             continue
         assert len(retries) == 1 and retries[0].params == killed.params
         assert retries[0].number > killed.number and retries[0] in [t for t in trials if t in done]
-    assert f"trial {cut_off[0].number} was running when the sweep stopped" in second.stdout
-    check_outputs(directory, study, second.stdout, capsys)
+    assert f"trial {cut_off[0].number} was running when the sweep stopped" in second.out
+    check_outputs(directory, study, second.out, capsys)
     # Running the finished sweep again runs nothing and reports the same.
-    again = run_sweep([str(base)], [], str(space), trials=n, workers=2, directory=directory, verbose=False)
+    try:
+        again = run_sweep([str(base)], [], str(space), trials=n, workers=2, directory=directory, verbose=False)
+    finally:
+        sys.modules.pop("pace", None)
     assert (again.complete + again.pruned, len(load(directory).trials)) == (n, len(trials))
 
 
