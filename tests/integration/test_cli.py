@@ -131,20 +131,25 @@ def test_fit_digits_with_overrides_saves_config_and_metrics_and_the_saved_config
     assert [(r["val/loss"], r["val/acc"]) for r in again] == [(r["val/loss"], r["val/acc"]) for r in rows]
 
 
-@pytest.mark.slow  # 4 s of CPU on a 2-core machine, with the processes it starts
+@pytest.mark.slow  # imports the digits example (torchmetrics, scikit-learn) into the test process
 def test_print_config_output_parses_back_to_the_same_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    out = ember("fit", "-c", DIGITS, "--print-config", "module.lr=0.01", "--seed", "3", cwd=tmp_path, module=True)
-    printed = yaml.safe_load(out.stdout)
+    """In-process (the same code without an interpreter start-up; ``python -m ember`` as a process is what
+    test_first_hour.py runs), from an empty folder."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    capsys.readouterr()
+    assert main(["fit", "-c", str(DIGITS), "--print-config", "module.lr=0.01", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    printed = yaml.safe_load(out)
     assert printed["seed"] == 3 and printed["module"]["lr"] == 0.01 and printed["module"]["epochs"] == 20
     assert printed["trainer"]["max_epochs"] == 20 and printed["optimizer"] is None
     assert not (tmp_path / "runs").exists()
-    # feeding the printed config back prints the same text (in-process: same code, no start-up cost)
-    (tmp_path / "printed.yaml").write_text(out.stdout)
-    monkeypatch.setattr(sys, "path", list(sys.path))
+    # feeding the printed config back prints the same text
+    (tmp_path / "printed.yaml").write_text(out)
     assert main(["fit", "-c", str(tmp_path / "printed.yaml"), "--print-config"]) == 0
-    assert capsys.readouterr().out == out.stdout
+    assert capsys.readouterr().out == out
 
 
 # --- a user project outside the package, optimizers from YAML, test/predict from the best checkpoint ---
