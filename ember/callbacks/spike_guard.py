@@ -33,6 +33,7 @@ from ember.callbacks.callback import Callback
 if TYPE_CHECKING:
     from ember.checkpoint.registry import Snapshot
     from ember.modules.module import TrainingModule
+    from ember.trainer.loop import FitState
     from ember.trainer.rewind import Rewind
     from ember.trainer.trainer import Trainer
 
@@ -120,6 +121,7 @@ class SpikeGuard(Callback):
         self._lr_until = -1  # the step at which a learning-rate scale ends (-1: none in force)
         self._last_batch: float = math.inf  # the epoch's last batch index and the fit's max_steps, read per epoch
         self._max_steps = -1
+        self._progress: FitState  # the trainer's one FitState, read per batch; set at each epoch start
 
     # --- hooks -----------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
@@ -132,6 +134,7 @@ class SpikeGuard(Callback):
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
         """The first snapshot: the fit's start (a resumed fit takes its first after its first clean check)."""
         self._last_batch, self._max_steps = trainer.epoch_plan.num_batches - 1, trainer.max_steps
+        self._progress = trainer.progress
         if self._snapshot is None and trainer.progress.batch_idx == 0 and trainer.global_step == 0:
             self._take_snapshot(trainer)
 
@@ -154,18 +157,16 @@ class SpikeGuard(Callback):
         self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Keep this batch's loss; at every ``check_every_n_steps``-th step boundary, check the losses kept."""
-        loss = outputs.get("loss") if isinstance(outputs, dict) else None
-        progress = trainer.progress
-        step = progress.global_step
+        loss = outputs.get("loss") if type(outputs) is dict else None
+        progress = self._progress
+        step, steps = progress.global_step, self._steps
         if loss is not None:
-            if not isinstance(loss, Tensor) or loss.ndim:
-                raise ValueError(
-                    f"SpikeGuard: training_step's 'loss' is {_describe(loss)}; the guard watches one scalar loss "
-                    "tensor per batch: return the batch's mean loss as 'loss' (e.g. loss.mean())"
-                )
-            self._losses.append(loss)
-            self._steps.append(step + 1 if progress.window_has_grads else step)
-        if not self._steps or self._steps[-1] != step:
+            losses = self._losses
+            if not losses:  # a check's first loss is checked here (refused at once), the others by the check's stack
+                _check_loss(loss)
+            losses.append(loss)
+            steps.append(step + 1 if progress.window_has_grads else step)
+        if not steps or steps[-1] != step:
             return  # no step ended here
         if step == self._lr_until:  # at any step: the scale lasts exactly lr_scale_steps, checking step or not
             self._scale_lr(trainer, 1 / self.lr_scale)
@@ -200,7 +201,7 @@ class SpikeGuard(Callback):
     def _check(self, trainer: Trainer) -> tuple[int, float, float] | None:
         """The first kept loss that is a spike: (its step, its value, the median it was compared with); None if
         none is. One host sync (and one all-reduce with several processes)."""
-        losses, steps = torch.stack(self._losses), self._steps
+        losses, steps = _stacked(self._losses), self._steps
         self._losses.clear()  # the lists are refilled, never reallocated
         if trainer.world_size > 1:
             losses = trainer.strategy.reduce(losses.float(), "mean")
@@ -332,6 +333,28 @@ def _median(values: list[float]) -> float:
     """`statistics.median` (the same arithmetic), without its checks: a check takes it every few steps."""
     ordered, middle = sorted(values), len(values) // 2
     return ordered[middle] if len(values) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, Tensor) or loss.ndim:
+        raise ValueError(
+            f"SpikeGuard: training_step's 'loss' is {_describe(loss)}; the guard watches one scalar loss tensor per "
+            "batch: return the batch's mean loss as 'loss' (e.g. loss.mean())"
+        )
+
+
+def _stacked(losses: list[Any]) -> Tensor:
+    """The kept losses as one 1-D tensor; a loss that is not one scalar tensor (only a check's first loss is checked
+    when it is kept) is refused with the same message."""
+    try:
+        stacked = torch.stack(losses)
+    except (TypeError, RuntimeError):
+        stacked = None
+    if stacked is None or stacked.ndim != 1:
+        for loss in losses:
+            _check_loss(loss)
+    assert stacked is not None  # every loss was one scalar tensor: stack cannot have failed
+    return stacked
 
 
 def _describe(loss: Any) -> str:

@@ -78,6 +78,21 @@ def test_a_loss_that_is_not_one_scalar_is_refused_at_the_first_batch(tmp_path: P
     assert fit.global_step == 1  # refused at once, not at the first check, with a TypeError from deep inside
 
 
+class ScalarThenPerSampleLoss(PerSampleLoss):
+    """A scalar loss at the first batch of each check, a per-sample one after it."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        out = super().training_step(batch, batch_idx)
+        return {"loss": out["loss"].mean()} if batch_idx % 2 == 0 else out
+
+
+def test_a_loss_that_stops_being_one_scalar_between_checks_is_refused_at_the_check(tmp_path: Path) -> None:
+    fit = trainer(tmp_path, guard())
+    with pytest.raises(ValueError, match=r"^SpikeGuard: training_step's 'loss' is a tensor of shape \(4,\);.*mean"):
+        fit.fit(ScalarThenPerSampleLoss(), loader(PoisonData(N), BATCH))
+    assert fit.global_step == 2  # the check after the second batch, with the first batch's message
+
+
 class Stream(IterableDataset[Any]):
     """An iterable dataset that cannot report or restore its position."""
 

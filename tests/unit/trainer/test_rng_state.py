@@ -119,3 +119,18 @@ def test_an_older_per_host_list_restores_this_device_entry_or_none(monkeypatch: 
     short = {**state, "cuda": state["cuda"][:1]}  # written on a host with one device, resumed on device 1
     restore_rng(short)
     assert torch.equal(host.states[1], torch.full((16,), 11, dtype=torch.uint8))  # left as it was
+
+
+def test_the_python_stream_is_captured_afresh_after_a_draw() -> None:
+    state = random.getstate()
+    try:
+        random.seed(3)
+        first, again = capture_rng()["python"][1], capture_rng()["python"][1]
+        random.random()
+        after = capture_rng()["python"][1]
+        assert again is first  # unchanged words: the same tensor, not converted again
+        assert after.tolist() == list(random.getstate()[1]) != first.tolist()
+        random.seed(3)
+        assert capture_rng()["python"][1].tolist() == first.tolist()
+    finally:
+        random.setstate(state)
