@@ -353,8 +353,7 @@ def _stacked(losses: list[Any]) -> Tensor:
     if stacked is None or stacked.ndim != 1:
         for loss in losses:
             _check_loss(loss)
-    assert stacked is not None  # every loss was one scalar tensor: stack cannot have failed
-    return stacked
+    return stacked if stacked is not None else torch.stack(losses)  # scalar tensors stack fails on: its own error
 
 
 def _describe(loss: Any) -> str:
