@@ -178,10 +178,12 @@ class _Interrupts:
         # `end` itself too: a Ctrl-C arriving as `main`'s `finally` enters it (before `ended` is set) is one
         # more press during the command's own exit
         self.owners, self.at_exit, self.ended = {*owners, _Interrupts.end.__code__}, at_exit, False
-        self.previous: Any = None
+        self.previous: Any = None  # None after installing: a handler set outside Python (it has no Python name)
+        self.installed = False
         # Signals reach the main thread only; a handler is only installed where Ctrl-C is not ignored.
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
             self.previous = signal.signal(signal.SIGINT, self._handle)
+            self.installed = True
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.ended or (frame is not None and frame.f_code in self.owners):
@@ -190,12 +192,12 @@ class _Interrupts:
 
     def end(self) -> None:
         self.ended = True
-        if self.previous is None:
+        if not self.installed:
             return
         if self.at_exit:  # ignored from here on: a Python handler would be reset to the default at exit
             atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
-        else:
-            signal.signal(signal.SIGINT, self.previous)
+        else:  # a handler set outside Python cannot be named to put it back: Python's own takes its place
+            signal.signal(signal.SIGINT, signal.default_int_handler if self.previous is None else self.previous)
 
 
 def _main(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -25,6 +26,12 @@ from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("WANDB_MODE", "offline")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# Ctrl-C as a terminal delivers it, in this process and in every process it starts. A suite started in the
+# background (bash ignores SIGINT in `cmd &` jobs; nohup) inherits SIGINT ignored, passes that on to every
+# `ember` it starts, and the Ctrl-C tests then send a signal nobody receives: the run completes and exits 0.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The hypothesis profile of every generated test, whichever tests a run collects. ``EMBER_HYPOTHESIS_PROFILE``:
 # ``ci`` (the default: fixed examples, so every run draws the same) or ``thorough`` (20 times as many for the

@@ -143,3 +143,41 @@ def test_what_a_test_changes_for_the_process_does_not_reach_the_next_test(
         "test_2_settings.py::test_6_deterministic_algorithms_are_as_before",
         "test_3_projects.py::test_2_imports_its_own_project_of_the_same_name",
     ]
+
+
+CTRL_C_REACHES_EVERY_PROCESS = """
+import signal
+import subprocess
+import sys
+
+
+def test_ctrl_c_reaches_this_process_and_the_processes_it_starts():
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    child = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    assert subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout.strip() == "True"
+"""
+SIGINT_LINES = "if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:\n    signal.signal("
+
+
+@pytest.mark.parametrize("restored", [True, False], ids=["suite's conftest", "without its SIGINT lines"])
+def test_a_suite_started_with_ctrl_c_ignored_still_delivers_it(tmp_path: Path, restored: bool) -> None:
+    """A suite started in the background (bash ignores SIGINT in ``cmd &`` jobs) inherits SIGINT ignored; the
+    conftest puts Python's handler back, so the Ctrl-C tests' ``ember`` processes receive what they are sent.
+    Without those lines the same session fails: the check sees the inherited state."""
+    import signal
+    import subprocess
+
+    assert SIGINT_LINES in CONFTEST
+    conftest = CONFTEST if restored else CONFTEST.replace(SIGINT_LINES, "if False:\n    signal.signal(")
+    (tmp_path / "conftest.py").write_text(conftest, encoding="utf-8")
+    (tmp_path / "test_ctrl_c.py").write_text(CTRL_C_REACHES_EVERY_PROCESS, encoding="utf-8")
+    command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:randomly", "-p", "no:cacheprovider"]
+    done = subprocess.run(
+        [*command, "test_ctrl_c.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # as bash starts a background job
+    )
+    assert (done.returncode == 0) == restored, done.stdout[-2000:] + done.stderr[-2000:]

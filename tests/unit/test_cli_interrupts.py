@@ -88,3 +88,24 @@ def test_a_ctrl_c_on_any_line_of_the_exit_path_is_ignored(at_exit: bool, monkeyp
     finally:
         signal.signal(signal.SIGINT, previous)
     assert bool(registered) == at_exit  # the command ignores Ctrl-C through the interpreter's exit
+
+
+@pytest.mark.parametrize("at_exit", [True, False], ids=["the command", "main(argv) in a process"])
+def test_a_handler_set_outside_python_is_replaced_and_then_released(
+    at_exit: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process whose Ctrl-C handler was set outside Python (`signal.signal` returns None for it): the command
+    still ignores Ctrl-C through its exit, and `main(argv)` in a process leaves Python's own handler, not its
+    ended one, which would swallow every later Ctrl-C."""
+    registered: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(cli.atexit, "register", lambda *args: registered.append(args))
+    installed: list[Any] = []
+    monkeypatch.setattr(cli.signal, "getsignal", lambda signum: None)
+    monkeypatch.setattr(cli.signal, "signal", lambda signum, handler: installed.append(handler))  # returns None
+    interrupts = cli._Interrupts({cli.main.__code__}, at_exit=at_exit)
+    interrupts.end()
+    assert installed[0] == interrupts._handle
+    if at_exit:
+        assert [args[1:] for args in registered] == [(signal.SIGINT, signal.SIG_IGN)] and len(installed) == 1
+    else:
+        assert registered == [] and installed[1:] == [signal.default_int_handler]
