@@ -26,21 +26,16 @@ import importlib
 import os
 import runpy
 import signal
-import socket
 import sys
 import time
 import uuid
+
+from dist_harness import free_port  # this file's folder: first on sys.path when run as a script
 
 #: Seconds a rank has to end after SIGTERM before it is killed (torchrun's agent waits 30 s; tests are shorter).
 GRACE_S = 10.0
 #: Signals the launcher passes on to every rank.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _imports_of(script: str) -> list[str]:
@@ -134,7 +129,7 @@ def main() -> None:
     for name in ["torch", "ember", *_imports_of(script), *filter(None, options.preload.split(","))]:
         with contextlib.suppress(ImportError):  # the rank meets the same error and reports it
             importlib.import_module(name)
-    port, run_id = _free_port(), uuid.uuid4().hex[:8]
+    port, run_id = free_port(), uuid.uuid4().hex[:8]
     sys.stdout.flush()
     sys.stderr.flush()
     pids: list[int] = []
