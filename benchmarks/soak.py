@@ -12,7 +12,8 @@ After every interruption the harness checks, and counts:
 
 - ``last`` unreadable: ``last`` must resolve to a complete checkpoint whose tensors load;
 - lost work: ``last`` must be at least as new as the newest checkpoint the run reported complete;
-- deleted kept checkpoints: the ``save_top_k`` newest complete checkpoints must all still be there;
+- deleted kept checkpoints: the ``save_top_k`` newest complete checkpoints must all still be there (those
+  reported complete, and complete ones newer than the report, which its logger thread may not have reached);
 - deleted outside the run: a checkpoint of another run in the same root, and a bystander folder, must
   be untouched;
 - executed payloads: a crafted checkpoint planted beside the real ones (its recorded config names
@@ -331,7 +332,7 @@ class Run:
             if named_step < newest:
                 self.report.lost_work += 1
                 problems.append(f"{self.config.name} after {kind}: `last` is step {named_step}, {saved[-1]} was done")
-        for name in _newest_saved_name(saved, self.config.top_k):
+        for name in _newest_saved_name(_with_unreported(saved, folder), self.config.top_k):
             try:
                 ckpt.check_complete(folder / name)
             except ckpt.CheckpointError as exc:
@@ -351,6 +352,27 @@ def saved_step(name: str) -> int:
     """The step of a checkpoint named ``step=N`` (the configurations' `filename`), or ``step=N-vK`` when a
     launch re-saved step N beside a complete one that a kill kept out of `last`."""
     return int(name.split("=", 1)[1].split("-v", 1)[0])
+
+
+def _with_unreported(saved: list[str], folder: Path) -> list[str]:
+    """`saved`, then the complete checkpoints newer than all of it that the report has not reached yet.
+
+    Rank 0's loggers hear of a finished save on a thread of their own (they never hold up training), while the
+    eviction that save makes starts at once: a SIGKILL in between leaves an older checkpoint half deleted and
+    the newer one complete but unreported. A complete checkpoint directory is proof enough that its save ended."""
+    from ember import checkpoint as ckpt
+
+    newest = saved_step(saved[-1]) if saved else -1
+    later = []
+    for path in folder.glob("step=*") if folder.is_dir() else ():
+        try:
+            step = saved_step(path.name)
+            if step > newest:
+                ckpt.check_complete(path)
+                later.append((step, path.name))
+        except (ValueError, ckpt.CheckpointError):
+            continue  # not this run's name, or incomplete: never reported, never kept
+    return saved + [name for _, name in sorted(later)]
 
 
 def _newest_saved_name(saved: list[str], k: int) -> list[str]:
