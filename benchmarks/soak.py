@@ -311,7 +311,11 @@ class Run:
 
         problems = self.report.problems
         folder = self.folder()
-        if kind == "SIGKILL" and folder.is_dir() and any(".tmp-" in p.name for p in folder.iterdir()):
+        if (
+            kind == "SIGKILL"
+            and folder.is_dir()
+            and any(".tmp-" in p.name and ".deleting." not in p.name for p in folder.iterdir())
+        ):
             self.report.kills_during_writes += 1
         _, saved = self.events()
         named_step = -1

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import math
 import re
-import shutil
 import threading
 import time
 from datetime import timedelta
@@ -14,7 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from ember.callbacks.callback import Callback
 from ember.callbacks.monitored import check_after_sanity
+from ember.checkpoint.format import META_FILE
+from ember.checkpoint.locating import CHECKPOINT_SUBDIR
 from ember.checkpoint.store import check_url, is_url, join
+from ember.checkpoint.writing import delete_checkpoint
 from ember.strategies import launcher
 
 if TYPE_CHECKING:
@@ -229,8 +231,8 @@ class ModelCheckpoint(Callback):
 
     def _remove(self, path: str) -> None:
         """Delete an evicted checkpoint of this callback; anything else is left alone."""
-        if self._owns(path) and (Path(path) / "ember.pt").exists():
-            shutil.rmtree(path, ignore_errors=True)
+        if self._owns(path) and (Path(path) / META_FILE).exists():
+            delete_checkpoint(Path(path))
 
     # --- triggers -----------------------------------------------------------------
     def on_sanity_check_end(self, trainer: Trainer, module: TrainingModule) -> None:
@@ -239,9 +241,9 @@ class ModelCheckpoint(Callback):
 
     def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
         if self.dirpath is None and stage == "fit":
-            self.dirpath = trainer.run_dir / "checkpoints"
+            self.dirpath = trainer.run_dir / CHECKPOINT_SUBDIR
             if self.store_url is None and trainer.run_url is not None:  # the run lives on a store: so do its saves
-                self.store_url = join(trainer.run_url, "checkpoints")
+                self.store_url = join(trainer.run_url, CHECKPOINT_SUBDIR)
         if self.store_url is None or stage != "fit" or self._mirror is not None or self._shared is not None:
             return
         self._failed = None

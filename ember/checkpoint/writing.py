@@ -349,6 +349,19 @@ def _remove_abandoned_temporaries(directory: Path) -> None:
             continue
 
 
+def delete_checkpoint(path: Path) -> None:
+    """Delete checkpoint directory `path` all at once, as far as readers can tell: it is renamed to a hidden
+    temporary name first, then deleted file by file. A kill in between leaves that hidden directory, never a
+    half-deleted checkpoint under its own name; the next save in the folder deletes it
+    (`_remove_abandoned_temporaries`)."""
+    doomed = path.with_name(f".{path.name}.deleting.tmp-{os.getpid()}")
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def point_last_at(checkpoint: Path) -> None:
     """Atomically make ``<dir>/last`` name `checkpoint` (a sibling directory)."""
     atomic_write(checkpoint.parent / LAST_FILE, checkpoint.name + "\n", sync_dir=True)

@@ -118,3 +118,66 @@ def test_where_no_thread_can_start_the_caller_syncs_every_path(tmp_path: Path, m
     monkeypatch.setattr(threading.Thread, "start", refuse)
     writing.fsync_together(paths)
     assert sorted(synced) == [(p, threading.current_thread().name) for p in paths]
+
+
+def _checkpoint_dir(path: Path, files: int) -> None:
+    path.mkdir()
+    for i in range(files):
+        (path / f"__{i}_0.distcp").write_bytes(b"x" * 64)
+    (path / "ember.pt").write_bytes(b"meta")
+
+
+def test_a_deleted_checkpoint_leaves_its_name_at_once_and_a_leftover_is_swept_by_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`delete_checkpoint` renames before deleting: a deletion cut short leaves a hidden temporary, never a
+    half-deleted checkpoint under its name; once its process is gone, the next save in the folder removes it."""
+    doomed = tmp_path / "step=4"
+    _checkpoint_dir(doomed, 3)
+    monkeypatch.setattr(writing.shutil, "rmtree", lambda *a, **k: None)  # the process dies right after the rename
+    writing.delete_checkpoint(doomed)
+    monkeypatch.undo()
+    assert not doomed.exists()
+    (hidden,) = tmp_path.iterdir()
+    assert hidden.name == f".step=4.deleting.tmp-{os.getpid()}"
+    assert sorted(p.name for p in hidden.iterdir()) == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "ember.pt"]
+    writing.delete_checkpoint(doomed)  # already gone: nothing to do, no error
+
+    dead = subprocess_pid_that_exited()
+    hidden.rename(tmp_path / f".step=4.deleting.tmp-{dead}")
+    writing.stage_checkpoint(tmp_path / "step=6", {"state": {}}, {"w": torch.zeros(2)}, {}).finish()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step=6"]
+
+
+def subprocess_pid_that_exited() -> int:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+def test_a_kill_during_a_deletion_leaves_the_checkpoint_whole_or_gone(tmp_path: Path) -> None:
+    """SIGKILL a process while it deletes a checkpoint of 3000 files (tens of milliseconds of unlinks): the
+    checkpoint's name holds every file or does not exist."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    doomed = tmp_path / "step=4"
+    _checkpoint_dir(doomed, 3000)
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom ember.checkpoint.writing import delete_checkpoint\n"
+        "print('go', flush=True)\ndelete_checkpoint(Path(sys.argv[1]))\nimport time\ntime.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code, str(doomed)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "go\n"
+        time.sleep(0.003)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert not doomed.exists() or len(list(doomed.iterdir())) == 3001
+    assert [p for p in tmp_path.iterdir() if p.name != "step=4" and ".deleting.tmp-" not in p.name] == []

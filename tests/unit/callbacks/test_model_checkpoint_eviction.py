@@ -3,7 +3,6 @@ replacement is complete, and every deletion is done when fit returns."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -36,14 +35,13 @@ def test_evicted_checkpoints_are_deleted_off_the_loop_and_gone_when_fit_returns(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     deleted: list[tuple[str, str]] = []
-    rmtree = shutil.rmtree
+    delete = model_checkpoint.delete_checkpoint
 
-    def recording(path: Any, *args: Any, **kwargs: Any) -> None:
-        if not Path(path).name.startswith("."):  # shutil is shared: temporaries of the writes are removed too
-            deleted.append((Path(path).name, threading.current_thread().name))
-        rmtree(path, *args, **kwargs)
+    def recording(path: Path) -> None:
+        deleted.append((path.name, threading.current_thread().name))
+        delete(path)
 
-    monkeypatch.setattr(model_checkpoint.shutil, "rmtree", recording)
+    monkeypatch.setattr(model_checkpoint, "delete_checkpoint", recording)
     data = TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
     saver = ModelCheckpoint(every_n_train_steps=1, save_top_k=2)
     trainer = ember.Trainer(max_steps=6, default_root_dir=tmp_path, callbacks=[saver], logger=False,
@@ -64,15 +62,15 @@ def test_an_eviction_does_not_wait_for_the_deletions_before_it_which_end_first(
     """The first deletion is held: asking for two more returns at once, and the deletions run in the order they
     were asked for; `teardown` waits for all of them."""
     gate, deleted = threading.Event(), []
-    rmtree = shutil.rmtree
+    delete = model_checkpoint.delete_checkpoint
 
-    def held(path: Any, *args: Any, **kwargs: Any) -> None:
-        if Path(path).name == "epoch=0-step=1":
+    def held(path: Path) -> None:
+        if path.name == "epoch=0-step=1":
             assert gate.wait(timeout=30), "the gate was never opened"
-        rmtree(path, *args, **kwargs)
-        deleted.append(Path(path).name)
+        delete(path)
+        deleted.append(path.name)
 
-    monkeypatch.setattr(model_checkpoint.shutil, "rmtree", held)
+    monkeypatch.setattr(model_checkpoint, "delete_checkpoint", held)
     saver = ModelCheckpoint(tmp_path)
     names = [f"epoch=0-step={s}" for s in (1, 2, 3)]
     for name in names:
