@@ -20,11 +20,35 @@ from typing import Any
 # imported it first.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/forked_cli.py: `ember` commands forked
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("WANDB_MODE", "offline")
+
+
+def _temporary_files_in_memory() -> None:
+    """Temporary files (pytest's `tmp_path`, `tempfile` in the tests and in every process they start) go to
+    /dev/shm where it is a RAM disk with room: every checkpoint the suite writes fsyncs its files and its folder,
+    about 9 ms a file on a virtual disk, and thousands of them made the workers wait instead of compute.
+    Durability itself is tested by the tests that fake fsync or mount a disk of their own; a TMPDIR set by the
+    caller is kept."""
+    shm = Path("/dev/shm")
+    if "TMPDIR" in os.environ or not sys.platform.startswith("linux") or not os.access(shm, os.W_OK):
+        return
+    try:
+        room = os.statvfs(shm)
+    except OSError:
+        return
+    if room.f_bavail * room.f_frsize >= 4 << 30:
+        os.environ["TMPDIR"] = str(shm)
+        tempfile.tempdir = None  # `tempfile.gettempdir()` reads TMPDIR again
+
+
+_temporary_files_in_memory()
+
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Ctrl-C as a terminal delivers it, in this process and in every process it starts. A suite started in the

@@ -11,6 +11,9 @@ docs/cli.md says: from the config's folder or its project's root. Steps:
 3. ``ember export --ckpt last --format torch-export``: the artifact loads and runs.
 4. ``ember fit --resume last`` to 4 epochs continues the same run; resuming it again has nothing to do.
 5. From another directory: the clone's config and a user's own project layout both import.
+
+Each test's first command is a real ``python -m ember``; the later ones are forked from a process that has
+imported torch and ember already (tests/forked_cli.py, which checks that a fork prints and exits alike).
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
+import forked_cli
 import pytest
 import torch
 
@@ -30,10 +33,11 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def ember(*args: str, cwd: Path, site: Path, expect: int = 0) -> subprocess.CompletedProcess[str]:
+def ember(*args: str, cwd: Path, site: Path, expect: int = 0, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """``python -m ember ARGS``: a real interpreter for each test's first command, forked from one that imported
+    torch and ember already for the others (tests/forked_cli.py)."""
     env = {**os.environ, "PYTHONPATH": str(site), "WANDB_MODE": "offline"}
-    done = subprocess.run([sys.executable, "-m", "ember", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    done = forked_cli.run(args, cwd=cwd, env=env, timeout=300, fresh=fresh)
     assert done.returncode == expect, f"ember {' '.join(args)} -> {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done
 
@@ -58,7 +62,7 @@ def test_the_first_hour(clone: tuple[Path, Path]) -> None:
     quick = ["trainer.max_epochs=3", "trainer.enable_progress_bar=false"]
 
     # 1. the README's main job (shortened to 3 epochs)
-    fit = ember("fit", "-c", "configs/digits.yaml", *quick, cwd=checkout, site=site)
+    fit = ember("fit", "-c", "configs/digits.yaml", *quick, cwd=checkout, site=site, fresh=True)
     assert fit.stderr.splitlines()[0] == "ember: fit on cpu: 1 process, strategy single_device, precision 32-true"
     assert "fit done in " in fit.stdout and "(3 epochs, 57 steps)" in fit.stdout  # 1,169 images / 64 = 19 batches
     run = checkout / "runs" / "classifier" / "version_0"
@@ -148,7 +152,8 @@ def test_configs_import_from_their_project_in_any_directory(clone: tuple[Path, P
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     config = str(checkout / "configs" / "digits.yaml")
-    done = ember("fit", "-c", config, "trainer.max_steps=2", "trainer.logger=false", cwd=elsewhere, site=site)
+    done = ember("fit", "-c", config, "trainer.max_steps=2", "trainer.logger=false", cwd=elsewhere, site=site,
+                 fresh=True)  # fmt: skip
     assert "(1 epoch, 2 steps)" in done.stdout and (elsewhere / "runs" / "classifier" / "version_0").is_dir()
 
     project = tmp_path / "my_project"  # a user's own layout: package at the root, configs in a folder

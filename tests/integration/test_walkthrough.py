@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked_cli
 import pytest
 import torch
 import yaml
@@ -128,8 +129,9 @@ def env_with(site: Path) -> dict[str, str]:
 
 
 def ember(project: Path, site: Path, *args: str, expect: int = 0) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", "ember", *args], cwd=project, env=env_with(site),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    """``python -m ember ARGS``, forked from a process that imported torch and ember already (tests/forked_cli.py;
+    the page's first command, `fit_until_ctrl_c`, is a real interpreter)."""
+    done = forked_cli.run(args, cwd=project, env=env_with(site), timeout=300)
     assert done.returncode == expect, f"ember {' '.join(args)} -> {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done
 
@@ -153,7 +155,7 @@ def fit_until_ctrl_c(project: Path, site: Path, *args: str) -> tuple[int, str]:
     return proc.returncode, err
 
 
-@pytest.mark.slow  # seven ember processes: about 30 s of CPU (start-up mostly); 90 s wall on 2 busy cores
+@pytest.mark.slow  # six ember commands, five of them forked (tests/forked_cli.py)
 def test_the_walkthrough_of_your_data(tmp_path: Path) -> None:
     site = tmp_path / "site"  # what is installed: ember (and the repository's examples, which the page imports)
     site.mkdir()
