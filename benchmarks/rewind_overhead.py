@@ -10,6 +10,7 @@ verdict's figure; noise only adds time, so best / best is shown too).
     python benchmarks/rewind_overhead.py                  # full: 20 rounds
     python benchmarks/rewind_overhead.py --short          # CI: 1 round of 1 epoch
     python benchmarks/rewind_overhead.py --instructions   # under valgrind: noise-free (about 10 minutes)
+    python benchmarks/rewind_overhead.py --instructions --allocator jemalloc   # steadier heap layout
 
 Wall-clock ratios on a shared machine wander by more than the 1% this measures; ``--instructions`` counts the
 instructions each variant executes per step instead, as `overhead_instructions.py` does (a 1-epoch and a 9-epoch
@@ -36,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from overhead import STEPS_PER_EPOCH, LoopClock, Tiny, TinyNoLog, make_loader
-from overhead_instructions import LONG, ONE_THREAD, SHORT, instructions
+from overhead_instructions import LONG, ONE_THREAD, SHORT, allocator_env, instructions
 
 import ember
 from ember.callbacks import SpikeGuard
@@ -68,22 +69,23 @@ def run_variant(name: str, epochs: int, root: str) -> float:
     return run(epochs, name.startswith("defaults"), name.endswith("guard"), root)
 
 
-def count(name: str, epochs: int) -> int:
-    """Instructions executed by one run of variant `name` for `epochs` epochs, under cachegrind."""
+def count(name: str, epochs: int, allocator: dict[str, str] | None = None) -> int:
+    """Instructions executed by one run of variant `name` for `epochs` epochs, under cachegrind, with the
+    environment `allocator` (`overhead_instructions.allocator_env`) added."""
     command = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null", sys.executable]
     command += [__file__, "--run", name, "--epochs", str(epochs)]
-    env = dict(os.environ, PYTHONHASHSEED="0", **ONE_THREAD)
+    env = dict(os.environ, PYTHONHASHSEED="0", **ONE_THREAD, **(allocator or {}))
     done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{name!r} under valgrind failed ({done.returncode}):\n{done.stderr[-2000:]}")
     return instructions(done.stderr)
 
 
-def count_instructions(jobs: int) -> dict[str, float]:
+def count_instructions(jobs: int, allocator: dict[str, str] | None = None) -> dict[str, float]:
     """Instructions per step of each variant."""
     runs = [(name, epochs) for name in VARIANTS for epochs in (SHORT, LONG)]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        totals = dict(zip(runs, pool.map(lambda r: count(*r), runs), strict=True))
+        totals = dict(zip(runs, pool.map(lambda r: count(*r, allocator), runs), strict=True))
     return {name: (totals[name, LONG] - totals[name, SHORT]) / ((LONG - SHORT) * STEPS_PER_EPOCH) for name in VARIANTS}
 
 
@@ -92,6 +94,10 @@ def main() -> None:
     parser.add_argument("--short", action="store_true", help="one round of one epoch (for CI)")
     parser.add_argument("--instructions", action="store_true", help="count instructions under valgrind")
     parser.add_argument("--jobs", type=int, default=2, help="runs under valgrind at once")
+    parser.add_argument(
+        "--allocator", choices=("glibc", "jemalloc"), default="glibc",
+        help="malloc of the --instructions runs: jemalloc's layout varies less from run to run than glibc's",
+    )  # fmt: skip
     parser.add_argument("--run", choices=VARIANTS, help="run this variant once, untimed (for --instructions)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs of the --run variant")
     args = parser.parse_args()
@@ -103,8 +109,9 @@ def main() -> None:
     if args.instructions:
         if shutil.which("valgrind") is None:
             sys.exit("valgrind is not installed (apt-get install valgrind); nothing measured")
-        steps = count_instructions(max(1, args.jobs))
-        print(f"instructions per step ({(LONG - SHORT) * STEPS_PER_EPOCH} steps: {LONG} epochs minus {SHORT})")
+        steps = count_instructions(max(1, args.jobs), allocator_env(args.allocator))
+        what = f"{(LONG - SHORT) * STEPS_PER_EPOCH} steps: {LONG} epochs minus {SHORT}; malloc: {args.allocator}"
+        print(f"instructions per step ({what})")
         for name, value in steps.items():
             print(f"  {name:18s} {value / 1e6:8.4f} M")
         ratios = {base: steps[f"{base} + guard"] / steps[base] for base in ("defaults", "minimal")}
