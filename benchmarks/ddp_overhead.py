@@ -9,7 +9,7 @@ to ``on_train_end``), not process start-up or DDP wrapping. The ratio uses the b
 (noise only adds time), taking the slower rank of each repeat; the median is shown beside it.
 
     python benchmarks/ddp_overhead.py              # starts itself under torchrun: 2 CPU processes (gloo)
-    python benchmarks/ddp_overhead.py --short      # CI: 2 repeats of 1 epoch
+    python benchmarks/ddp_overhead.py --short      # CI: 2 repeats of 1 epoch of 64 steps
     torchrun --nproc-per-node=1 benchmarks/ddp_overhead.py --accelerator cuda   # one GPU (NCCL)
 
 Goal: ember DDP / raw DDP <= 1.05.
@@ -30,7 +30,7 @@ from typing import Any
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--short", action="store_true", help="2 repeats of 1 epoch (for CI)")
+    parser.add_argument("--short", action="store_true", help="2 repeats of 1 epoch of 64 steps (for CI)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per variant (default 7)")
     parser.add_argument("--nproc", type=int, default=2, help="processes when not started by torchrun (default 2)")
     parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
@@ -76,12 +76,12 @@ import ember  # noqa: E402
 # the same tiny MLP and module as the single-process benchmark
 from benchmarks.overhead import Tiny, make_model  # noqa: E402
 
-BATCH, STEPS_PER_EPOCH, GOAL = 32, 256, 1.05
+BATCH, STEPS_PER_EPOCH, SHORT_STEPS_PER_EPOCH, GOAL = 32, 256, 64, 1.05
 
 
-def make_data(world_size: int) -> TensorDataset:
+def make_data(world_size: int, steps_per_epoch: int) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
-    n = BATCH * STEPS_PER_EPOCH * world_size
+    n = BATCH * steps_per_epoch * world_size
     return TensorDataset(torch.randn(n, 32, generator=g), torch.randint(0, 2, (n,), generator=g))
 
 
@@ -144,6 +144,7 @@ def main() -> None:
     if "LOCAL_RANK" not in os.environ:
         relaunch(sys.argv[1:], args.nproc)
     epochs, repeats = (1, 2) if args.short else (2, args.repeats or 7)
+    steps_per_epoch = SHORT_STEPS_PER_EPOCH if args.short else STEPS_PER_EPOCH
     torch.set_num_threads(1)
     if args.accelerator == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -153,7 +154,7 @@ def main() -> None:
     # ember joins this group (it only creates one when none exists), so both variants share it.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=120))
     world, rank = dist.get_world_size(), dist.get_rank()
-    data = make_data(world)
+    data = make_data(world, steps_per_epoch)
     run_raw(data, 1, device)  # warm-up: first-call costs (allocator, DDP buckets, imports) out of the timing
     run_ember(data, 1, args.accelerator)
     times: dict[str, list[float]] = {"raw DDP": [], "ember DDP": []}
@@ -167,7 +168,7 @@ def main() -> None:
             times[name].append(max(slowest))
     dist.barrier()
     if rank == 0:
-        steps = epochs * STEPS_PER_EPOCH
+        steps = epochs * steps_per_epoch
         best = {name: min(values) for name, values in times.items()}
         backend = dist.get_backend()
         print(

@@ -291,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--budget-s needs a positive number of seconds, got {args.budget_s}")
     if args.dry_run:  # no GPU needed, nothing imported: the plan as a GPU machine would run it
         return dry_run(plan("gpu", 0), args.budget_s)
-    gpus = count_gpus()
+    # --cpu runs nothing that looks for a GPU, and its steps are judged as on a host without one: torch (~1.5 s of
+    # CPU to import) stays out of this process.
+    gpus = 0 if args.cpu else count_gpus()
     steps = plan("cpu" if args.cpu else "gpu", gpus)
     if not args.cpu and gpus == 0:
         print("gpu_check: no CUDA device visible to torch; --dry-run walks the plan, --cpu runs what needs none",

@@ -114,10 +114,13 @@ def per_step(short_run: Counts, long_run: Counts) -> dict[int, float]:
 
 #: Imports overhead.py once with the counting library preloaded, then runs each "variant<TAB>epochs<TAB>out"
 #: line of stdin in a child forked from there; the child exits through exit(), so the library writes its counts.
+#: torch._dynamo is imported here too: torch's optimizers import it when the first one is built (~1 s of CPU in
+#: every child otherwise); like every import, its calls are in both runs of a variant and cancel out.
 FORKER = r"""
 import os, sys, tempfile
 sys.path.insert(0, sys.argv[1])
 import overhead
+import torch._dynamo
 for line in sys.stdin:
     variant, epochs, out = line.rstrip("\n").split("\t")
     pid = os.fork()

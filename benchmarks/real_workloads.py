@@ -1,7 +1,7 @@
 """ember against the loop you would write by hand, on real models: training and evaluation timed apart.
 
     python benchmarks/real_workloads.py                  # full: 3 processes per allocator setting
-    python benchmarks/real_workloads.py --short          # CI: a few batches, one process per setting
+    python benchmarks/real_workloads.py --short          # CI: a few batches, one process per setting (forked)
     python benchmarks/real_workloads.py --device cuda    # the same comparison on a GPU
 
 Four workloads, each with its model and data from ``examples/``:
@@ -503,18 +503,65 @@ def compare(a: Any, b: Any) -> tuple[bool, float]:
 # --- the parent: processes per allocator setting, ratios, verdict ----------------------------------------
 
 
-def spawn(names: list[str], tuned: bool, args: argparse.Namespace) -> dict[str, Any]:
+def spawn(names: list[str], tuned: bool | None, args: argparse.Namespace) -> Any:
+    """The figures of a child process running `names` with the allocator `tuned` or not; with `tuned` None, a
+    process that imports once and forks one child per setting (`fork_settings`): {"tuned": ..., "not_tuned": ...}."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    env["EMBER_TUNE_CPU_ALLOCATOR"] = "1" if tuned else "0"
+    env.pop(ALLOCATOR_VAR, None)
+    if tuned is not None:
+        env[ALLOCATOR_VAR] = "1" if tuned else "0"
     env["EMBER_BENCH_INFERENCE_MODE"] = "1" if args.inference_mode else "0"
     command = [sys.executable, str(Path(__file__).resolve()), "--child", ",".join(names)]
     command += ["--rounds", str(args.rounds), "--device", args.device, "--threads", str(args.threads)]
     command += ["--short"] if args.short else []
+    command += ["--fork-settings"] if tuned is None else []
     out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     if out.returncode != 0:
         raise SystemExit(f"child {' '.join(command[2:])} failed:\n{out.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+#: Where each workload's model and data come from (what `fork_settings` imports before it forks).
+EXAMPLES = {"word_lm": "examples.word_lm", "char_transformer": "examples.char_transformer",
+            "cnn": "examples.digits", "gan": "examples.gan"}  # fmt: skip
+ALLOCATOR_VAR = "EMBER_TUNE_CPU_ALLOCATOR"
+
+
+def fork_settings(names: list[str], short: bool, rounds: int, device_name: str, threads: int) -> dict[str, Any]:
+    """`run_child` with the allocator tuned and not, each in a process forked from this one after the imports.
+
+    The allocator's setting is process-wide, so each setting needs a process of its own; forking them from one
+    process that imported torch, ember and the examples (torchmetrics among them: ~6 s of CPU together) and
+    constructed nothing spares the second setting those imports. Nothing here calls malloc's tuning: each child
+    starts with glibc's defaults and decides as a new process would (``EMBER_TUNE_CPU_ALLOCATOR`` set in it)."""
+    import importlib
+
+    # torch._dynamo: what torch's optimizers import when the first one is built
+    for module in ("torch", "torch._dynamo", "ember", *(EXAMPLES[name] for name in names)):
+        importlib.import_module(module)
+    results: dict[str, Any] = {}
+    for setting, value in (("tuned", "1"), ("not_tuned", "0")):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: one setting, its figures (or its error) through the pipe
+            os.close(read)
+            code = 1
+            try:
+                os.environ[ALLOCATOR_VAR] = value
+                figures = run_child(names, short, rounds, device_name, threads)
+                os.write(write, json.dumps(figures).encode())
+                code = 0
+            except BaseException as error:  # reported by the parent
+                os.write(write, json.dumps({"error": f"{type(error).__name__}: {error}"}).encode())
+            finally:
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read, "rb") as answer:
+            results[setting] = json.loads(answer.read().decode() or '{"error": "no answer"}')
+        _, status = os.waitpid(pid, 0)
+        if status != 0 or "error" in results[setting]:
+            raise SystemExit(f"the {setting} child failed (wait status {status}): {results[setting].get('error')}")
+    return results
 
 
 def median_ratio(mine: list[dict[str, float]], theirs: list[dict[str, float]], phase: str) -> float:
@@ -555,6 +602,7 @@ def main() -> None:
     )
     parser.add_argument("--json", help="also write the figures to this file (ratios, medians, peak RSS, agreement)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--fork-settings", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rounds is None:
         args.rounds = 0 if args.short else 5
@@ -562,25 +610,33 @@ def main() -> None:
         parser.error(f"--rounds {args.rounds}: need at least 1 round (0 only with --short, which times the warm-up)")
     sys.path.insert(0, str(ROOT))
     if args.child:
-        print(json.dumps(run_child(args.child.split(","), args.short, args.rounds, args.device, args.threads)))
+        run = fork_settings if args.fork_settings else run_child
+        print(json.dumps(run(args.child.split(","), args.short, args.rounds, args.device, args.threads)))
         return
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     unknown = [n for n in names if n not in CLASSES]
     if unknown:
         parser.error(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
-    processes = 1 if args.short else args.processes
-    # Full runs: each workload in its own processes (its own peak RSS); short: all in one process per setting.
-    groups = [names] if args.short else [[n] for n in names]
+    # Full runs: each workload in its own processes (its own peak RSS); short: all in one process per setting,
+    # both forked from one that imported once.
     children: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
     started = time.perf_counter()
-    for p in range(processes):
-        for group in groups:
+    if args.short:
+        forked = spawn(names, None, args)
+        children = {True: [forked["tuned"]], False: [check_off(forked["not_tuned"])]}
+    for p in range(0 if args.short else args.processes):
+        for group in [[n] for n in names]:
             for tuned in (True, False) if p % 2 == 0 else (False, True):
                 child = spawn(group, tuned, args)
-                if child["allocator"]["applied"] and not tuned:
-                    raise SystemExit(f"the allocator was tuned although switched off: {child['allocator']}")
-                children[tuned].append(child)
+                children[tuned].append(child if tuned else check_off(child))
     report(names, children, args, time.perf_counter() - started)
+
+
+def check_off(child: dict[str, Any]) -> dict[str, Any]:
+    """`child`, a process with the tuning switched off, unless the allocator was tuned anyway."""
+    if child["allocator"]["applied"]:
+        raise SystemExit(f"the allocator was tuned although switched off: {child['allocator']}")
+    return child
 
 
 def report(names: list[str], children: dict[bool, list[dict[str, Any]]], args: argparse.Namespace, wall: float) -> None:

@@ -13,7 +13,7 @@ flight), and then the boundary measures the disk, not the save. ``--every 8`` (a
 milliseconds apart) shows that regime.
 
     python benchmarks/store_checkpoint.py            # 3 x Linear(2048, 2048) with AdamW (~150 MB)
-    python benchmarks/store_checkpoint.py --short    # 3 x Linear(512, 512)
+    python benchmarks/store_checkpoint.py --short    # 3 x Linear(512, 512), 2 saves measured
 
 Goal: stall / synchronous save <= 0.10.
 """
@@ -103,7 +103,8 @@ def main() -> None:
     parser.add_argument("--interval-s", type=float, default=None, help="seconds of training between saves "
                         "(default: 1 with --short, 6 without: longer than a synchronous save)")  # fmt: skip
     parser.add_argument("--every", type=int, default=None, help="save every N steps instead (no interval)")
-    parser.add_argument("--saves", type=int, default=8, help="saves measured (the first, which allocates, is not)")
+    parser.add_argument("--saves", type=int, default=None, help="saves measured (the first, which allocates, is "
+                        "not; default: 2 with --short, 8 without)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads (default 1)")
     args = parser.parse_args()
     # One thread by default: on a machine whose cores are shared (the S3 server, the upload, other work), a
@@ -112,6 +113,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     width, depth = (512, 3) if args.short else (2048, 3)
     interval_s = args.interval_s if args.interval_s is not None else (1.0 if args.short else 6.0)
+    saves = args.saves if args.saves is not None else (2 if args.short else 8)
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     proc, endpoint = start_server()
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
@@ -124,7 +126,7 @@ def main() -> None:
             torch.manual_seed(0)
             data = TensorDataset(torch.randn(64, width), torch.randn(64, width))
             loader = DataLoader(data, batch_size=8)
-            gaps = Gaps(args.saves)
+            gaps = Gaps(saves)
             when: dict[str, Any] = {"train_time_interval": interval_s}
             if args.every is not None:
                 when = {"every_n_train_steps": args.every}

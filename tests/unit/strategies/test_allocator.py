@@ -1,8 +1,9 @@
 """CPU allocator tuning: applied on glibc Linux when a run starts, and not when opted out or not glibc's malloc.
 
 Each case runs in a fresh process (the setting is process-wide and cannot be undone): a child forked from
-one interpreter per test module that has imported torch and ember but run nothing (so no case pays for the
-imports again), or a new interpreter where the case is about how the process starts (a preloaded malloc).
+one interpreter per test module that has imported torch and ember (and torch._dynamo, which the first optimizer
+imports) but run nothing (so no case pays for the imports again), or a new interpreter where the case is about
+how the process starts (a preloaded malloc).
 The child runs a one-step fit, then reads glibc's behaviour back through ``mallinfo2``: a 64 MiB request is
 served by ``mmap`` with glibc's defaults (its adaptive threshold stops at 32 MiB), and from the heap, where
 the freed block stays for the next request, once ember raised the thresholds.
@@ -84,6 +85,7 @@ if len(sys.argv) > 1:  # one case in this new interpreter
     print(case(json.loads(sys.argv[1])))
 else:  # one case per line of stdin ({"fits": [...], "env": {...}}), each in a child forked from here
     import os
+    import torch._dynamo  # what building the first optimizer imports: once here, not in every child
     for line in sys.stdin:
         request = json.loads(line)
         read, write = os.pipe()
