@@ -209,11 +209,13 @@ def fit_sequential(
     batch_size: int = 4,
     devices: int | str = "auto",
     num_nodes: int = 1,
+    accuracy: bool = True,
     **trainer_kwargs: Any,
 ) -> tuple[ember.Trainer, Net]:
-    """20 SGD steps over a ``shuffle=False`` loader, validation on 37 samples; checkpoint at the end."""
+    """20 SGD steps over a ``shuffle=False`` loader, validation on 37 samples; checkpoint at the end.
+    ``accuracy=False``: without ``val/acc`` (see `Net`), for jobs whose tests read no metric."""
     ember.seed_everything(SEED)
-    module = Net()
+    module = Net(accuracy=accuracy)
     trainer = ember.Trainer(
         max_steps=20,
         strategy=strategy,
@@ -301,7 +303,7 @@ def evaluate(strategy: Any, n_val: int) -> dict[str, Any]:
 
 def section(out: Path, name: str, run: Callable[[], dict[str, Any]]) -> None:
     """Run one part of a job and save its result; an error is saved too (for the test's message), then raised."""
-    start = time.monotonic()
+    start, cpu = time.monotonic(), time.process_time()
     own = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # before the process group exists, too
     (out / f"{name}.error-rank{own}.pt").unlink(missing_ok=True)  # an earlier attempt's (torchrun restarts)
     try:
@@ -309,7 +311,7 @@ def section(out: Path, name: str, run: Callable[[], dict[str, Any]]) -> None:
     except Exception:  # not SystemExit: the devices=N launcher process exits through fit
         save_result(out, f"{name}.error", {"traceback": traceback.format_exc()})
         raise
-    data["seconds"] = time.monotonic() - start
+    data["seconds"], data["cpu_seconds"] = time.monotonic() - start, time.process_time() - cpu
     save_result(out, name, data)
 
 
@@ -391,11 +393,18 @@ def sequential_job(
     out: Path, name: str, num_nodes: str = "1", devices: str = "auto", strategy: str = "", batch_size: str = "4"
 ) -> None:
     """`fit_sequential` (arguments as given on a command line): under multi-node torchrun, SLURM variables set
-    by hand, or ``devices=2`` without a launcher (`strategy` "ddp": the string, else a `ddp()` instance)."""
+    by hand, or ``devices=2`` without a launcher (`strategy` "ddp": the string, else a `ddp()` instance).
+    Without the accuracy metric: the tests of these jobs compare parameters and samples, and every process
+    (the ``devices=2`` launcher included) would otherwise import torchmetrics for nothing."""
     count: int | str = int(devices) if devices.isdigit() else devices
     run = lambda: summary(  # noqa: E731
         *fit_sequential(
-            strategy or ddp(), out / "runs", batch_size=int(batch_size), devices=count, num_nodes=int(num_nodes)
+            strategy or ddp(),
+            out / "runs",
+            batch_size=int(batch_size),
+            devices=count,
+            num_nodes=int(num_nodes),
+            accuracy=False,
         )
     )
     section(out, name, run)

@@ -1,6 +1,7 @@
 """A torchrun stand-in for the tests' single-node jobs: import once, fork every rank.
 
-``python forkrun.py --nproc-per-node=N [--preload=MOD,...] [--path=DIRS] script.py args...`` imports torch, ember, the
+``python forkrun.py --nproc-per-node=N [--preload=MOD,...] [--path=DIRS] script.py args...`` imports torch, ember,
+what a rank imports during a fit (`RANK_IMPORTS`, unless the script imports only the standard library), the
 modules ``script.py`` imports at its top level and the `--preload` modules once, then forks N ranks. Each
 rank gets the variables torchrun gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``) and runs
@@ -36,6 +37,11 @@ from dist_harness import free_port  # this file's folder: first on sys.path when
 GRACE_S = 10.0
 #: Signals the launcher passes on to every rank.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+#: What almost every rank imports on its way through a fit, imported once here instead when the script imports
+#: more than the standard library: DDP's constructor imports torch._dynamo (with inductor's tracing rules, about
+#: 1 s of CPU), and checkpoints, FSDP and tensor parallelism import torch.distributed.checkpoint (with DTensor,
+#: about 0.6 s).
+RANK_IMPORTS = ("torch._dynamo", "torch.distributed.checkpoint")
 
 
 def _imports_of(script: str) -> list[str]:
@@ -126,7 +132,15 @@ def main() -> None:
     sys.path[0] = os.path.dirname(script)  # as `python script.py` would have it
     sys.path[1:1] = [folder for folder in options.path.split(os.pathsep) if folder]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    for name in ["torch", "ember", *_imports_of(script), *filter(None, options.preload.split(","))]:
+    imports = _imports_of(script)
+    fits = any(name.partition(".")[0] not in sys.stdlib_module_names for name in imports)
+    for name in [
+        "torch",
+        "ember",
+        *(RANK_IMPORTS if fits else ()),
+        *imports,
+        *filter(None, options.preload.split(",")),
+    ]:
         with contextlib.suppress(ImportError):  # the rank meets the same error and reports it
             importlib.import_module(name)
     port, run_id = free_port(), uuid.uuid4().hex[:8]

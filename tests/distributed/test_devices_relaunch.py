@@ -12,6 +12,7 @@ import sys
 import dist_harness as harness
 import dist_workload as workload
 import pytest
+import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
@@ -93,6 +94,35 @@ def test_num_nodes_that_disagree_with_the_launcher_are_a_clear_error(
     assert not dist.is_initialized()
 
 
+#: The smallest run `ember predict` can make, for the test below: the digits example would have each of its three
+#: processes (the launcher and two workers) import torchmetrics and scikit-learn, about 3 s of CPU apiece.
+PREDICT_MODULE = """\
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+
+
+class Classifier(ember.TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Linear(4, 3)
+
+
+class Data(ember.DataModule):
+    def predict_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(40, 4, generator=torch.Generator().manual_seed(0))), batch_size=8)
+"""
+PREDICT_CONFIG = """\
+seed: 0
+module:
+  _target_: predict_job.Classifier
+data:
+  _target_: predict_job.Data
+"""
+
+
 @pytest.mark.distributed
 def test_ember_predict_on_two_processes_prints_its_summary_once(tmp_path) -> None:
     """Each process saves its share; only process 0 prints (issue 21: "predict done" came from both ranks)."""
@@ -101,12 +131,17 @@ def test_ember_predict_on_two_processes_prints_its_summary_once(tmp_path) -> Non
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
+    (tmp_path / "predict_job.py").write_text(PREDICT_MODULE, encoding="utf-8")  # imported from the working folder
+    (tmp_path / "predict.yaml").write_text(PREDICT_CONFIG, encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(repo), "WANDB_MODE": "offline"}
-    command = [sys.executable, "-m", "ember", "predict", "-c", str(repo / "configs" / "digits.yaml"),
-               "trainer.devices=2", "trainer.logger=false"]  # fmt: skip
+    command = [sys.executable, "-m", "ember", "predict", "-c", "predict.yaml", "trainer.devices=2",
+               "trainer.logger=false"]  # fmt: skip
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("predict done") == 1, done.stdout
     run = tmp_path / "runs" / "classifier" / "version_0"
     assert sorted(p.name for p in run.glob("predictions-rank*.pt")) == ["predictions-rank0.pt", "predictions-rank1.pt"]
     assert "saved to runs/classifier/version_0/predictions-rank*.pt" in done.stdout
+    shares = [torch.load(run / f"predictions-rank{rank}.pt", weights_only=True) for rank in range(2)]
+    rows = [sum(len(batch) for batch in share) for share in shares]
+    assert rows == [20, 20], rows  # 40 samples: 20 per process (in batches of 8, 8 and 4)

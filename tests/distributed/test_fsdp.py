@@ -46,7 +46,7 @@ import ember
 
 def fit(strategy, compile_):
     torch.manual_seed(0)
-    module = W.Net()
+    module = W.Net(accuracy=False)  # no validation
     trainer = ember.Trainer(
         max_epochs=2, strategy=strategy, devices=2, compile=compile_, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,

@@ -2,7 +2,8 @@
 
 One 2-process job (`JOB`) runs, on both ranks: a DDP fit from a seeded module (the reference); the same with
 `lr_find` first (the range test all-reduces each step's loss, so both ranks see one curve); and
-`scale_batch_size` with a different memory budget on each rank (a size fits only if it fits on both).
+`scale_batch_size` with a different memory budget on each rank (a size fits only if it fits on both). Nothing
+evaluates, so the modules leave the accuracy metric out (its import would cost each rank about 2 s of CPU).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def trainer(root: str, **options: Any) -> ember.Trainer:
 
 def fit(find: bool) -> dict[str, Any]:
     ember.seed_everything(w.SEED)
-    t, module, data = trainer("fit", max_epochs=2), w.Net(dropout=0.1, adamw=True), loader()
+    t, module, data = trainer("fit", max_epochs=2), w.Net(dropout=0.1, adamw=True, accuracy=False), loader()
     found: dict[str, Any] = {{}}
     if find:
         before = {{k: v.clone() for k, v in module.state_dict().items()}}
@@ -71,7 +72,7 @@ def batch_size() -> dict[str, Any]:
     ember.seed_everything(w.SEED)
     rank = w.rank()
     result = scale_batch_size(
-        trainer("bs"), Wide(), loader(), memory_budget=BUDGETS[rank], steps_per_trial=2, verbose=False
+        trainer("bs"), Wide(accuracy=False), loader(), memory_budget=BUDGETS[rank], steps_per_trial=2, verbose=False
     )
     trials = [(t.batch_size, t.fits, t.peak_bytes, t.local_peak_bytes) for t in result.trials]
     return {{"batch_size": result.batch_size, "trials": trials, "rank": rank}}
