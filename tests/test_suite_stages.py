@@ -1,5 +1,6 @@
-"""The README's test command: its stages (the fast tests first), what each stage selects, and the order in which
-the suite hands its tests to the xdist workers (tests/conftest.py, `pytest_collection_modifyitems`)."""
+"""The README's test command (one ``python -m pytest``: the whole suite but the timed tests), what the fast subset
+``-m "not slow and not distributed"`` selects, and the order in which the suite hands its tests to the xdist
+workers (tests/conftest.py, `pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CONFTEST = (ROOT / "tests" / "conftest.py").read_text(encoding="utf-8")
 KINDS = ("slow", "distributed", "perf")
+#: The fast subset the README's "Tests" section offers for a quick check while working.
+FAST = ["-m", "not slow and not distributed"]
 
 
 def readme_test_command() -> str:
@@ -31,9 +34,13 @@ def pytest_stages(command: str) -> list[list[str]]:
     return [part[3:] for part in parts if part[:3] == ["python", "-m", "pytest"]]
 
 
-def test_the_readme_test_command_runs_the_fast_tests_first_then_the_rest() -> None:
+def test_the_readme_test_command_runs_the_whole_suite_once() -> None:
+    """One run: the fast tests fill the time the long ones leave idle on the workers (the multi-process tests and
+    the other slow ones start first), and the suite is collected once per worker, not once per stage."""
     command = readme_test_command()
-    assert pytest_stages(command) == [["-m", "not slow and not distributed"], ["-m", "slow or distributed"]], command
+    assert pytest_stages(command) == [[]], command
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f'`python -m pytest {FAST[0]} "{FAST[1]}"`' in readme  # the fast subset, for a quick check
     # CI runs this command (tests/unit/test_docs_site.py) with no hypothesis profile of its own, so the
     # README's command draws the same examples as CI: the profile `ci` (tests/conftest.py)
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
@@ -65,8 +72,8 @@ def pytest_collection_finish(session):
 
 
 @pytest.mark.slow  # collects the whole suite in a new interpreter: 10-15 s on 2 cores
-def test_the_first_stage_selects_exactly_the_fast_tests(tmp_path: Path) -> None:
-    (first, _) = pytest_stages(readme_test_command())
+def test_the_fast_subset_selects_exactly_the_fast_tests(tmp_path: Path) -> None:
+    first = FAST
     (tmp_path / "stage_dump.py").write_text(DUMP_PLUGIN, encoding="utf-8")
     dump = tmp_path / "stages.json"
     pythonpath = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
@@ -138,7 +145,7 @@ def test_multi_process_files_come_first_then_slow_ones_each_file_whole(
     ("expression", "expected"),
     [
         (None, 7),  # the plain run: everything but the timed test
-        ("not slow and not distributed", 5),  # the README's first stage: no timed test either
+        ("not slow and not distributed", 5),  # the README's fast subset: no timed test either
         ("slow or distributed", 2),
         ("perf", 1),  # named: the timed test alone
     ],
