@@ -151,11 +151,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     - the tests of a module that share a module-scoped fixture (a trained run, a built site, a clone; group: the
       module's file), so that the fixture is built once, not once per worker.
 
-    Then the files holding tests marked `distributed`, then those holding other `slow` tests, move to the front
-    (a stable sort of whole files: the random order stays within each kind, and a file's tests stay together so
-    that its module fixtures are built once), so that no worker starts a long test when the others are about to
-    finish. pytest-xdist hands out the largest groups first (``--loadscope-reorder``, its default), then single
-    tests in this order.
+    Then the files holding tests marked `distributed`, then those holding tests marked `waits` (a server's start,
+    a paced run: one core stays idle, which the multi-process tests running beside them on the other worker use),
+    then those holding other `slow` tests, move to the front (a stable sort of whole files: the random order stays
+    within each kind, and a file's tests stay together so that its module fixtures are built once), so that no
+    worker starts a long test when the others are about to finish. pytest-xdist hands out the largest groups first
+    (``--loadscope-reorder``, its default), then single tests in this order.
     """
     if "perf" not in (config.getoption("markexpr") or ""):
         perf = [item for item in items if item.get_closest_marker("perf") is not None]
@@ -172,15 +173,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     file_rank: dict[str, int] = {}
     for item in items:
         path = item.nodeid.split("::")[0]
-        file_rank[path] = min(file_rank.get(path, 2), _start_rank(item))
+        file_rank[path] = min(file_rank.get(path, 3), _start_rank(item))
     items.sort(key=lambda item: file_rank[item.nodeid.split("::")[0]])
 
 
 def _start_rank(item: pytest.Item) -> int:
-    """0 for a multi-process test, 1 for another slow one, 2 for the rest."""
-    if item.get_closest_marker("distributed") is not None:
-        return 0
-    return 1 if item.get_closest_marker("slow") is not None else 2
+    """0 for a multi-process test, 1 for one that mostly waits, 2 for another slow one, 3 for the rest."""
+    for rank, kind in enumerate(("distributed", "waits", "slow")):
+        if item.get_closest_marker(kind) is not None:
+            return rank
+    return 3
 
 
 def _uses_a_module_fixture(item: pytest.Item) -> bool:

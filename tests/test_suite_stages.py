@@ -110,6 +110,7 @@ FILES = {
     "test_c_fast.py": "def test_c1():\n    pass\n",
     "test_d_dist.py": "import pytest\n\npytestmark = pytest.mark.distributed\n\n\ndef test_d1():\n    pass\n",
     "test_e_perf.py": "import pytest\n\n\n@pytest.mark.perf\ndef test_e1():\n    pass\n",
+    "test_f_waits.py": "import pytest\n\n\n@pytest.mark.waits\ndef test_f1():\n    pass\n",
 }
 
 
@@ -122,16 +123,17 @@ def collected(pytester: pytest.Pytester, *args: str) -> list[str]:
 
 
 @pytest.mark.parametrize("order", [["-p", "no:randomly"], ["--randomly-seed=1"], ["--randomly-seed=2"]])
-def test_multi_process_files_come_first_then_slow_ones_each_file_whole(
+def test_multi_process_files_come_first_then_waiting_then_slow_ones_each_file_whole(
     pytester: pytest.Pytester, order: list[str]
 ) -> None:
     ids = collected(pytester, *order)
     files = [nodeid.split("::")[0] for nodeid in ids]
-    assert files[0] == "test_d_dist.py" and files[1:4] == ["test_b_mixed.py"] * 3, ids
-    assert sorted(files[4:]) == ["test_a_fast.py", "test_a_fast.py", "test_c_fast.py"], ids
+    assert files[:2] == ["test_d_dist.py", "test_f_waits.py"] and files[2:5] == ["test_b_mixed.py"] * 3, ids
+    assert sorted(files[5:]) == ["test_a_fast.py", "test_a_fast.py", "test_c_fast.py"], ids
     if order == ["-p", "no:randomly"]:  # otherwise in the order collected
         assert ids == [
             "test_d_dist.py::test_d1",
+            "test_f_waits.py::test_f1",
             "test_b_mixed.py::test_b1",
             "test_b_mixed.py::test_b2",
             "test_b_mixed.py::test_b3",
@@ -144,8 +146,8 @@ def test_multi_process_files_come_first_then_slow_ones_each_file_whole(
 @pytest.mark.parametrize(
     ("expression", "expected"),
     [
-        (None, 7),  # the plain run: everything but the timed test
-        ("not slow and not distributed", 5),  # the README's fast subset: no timed test either
+        (None, 8),  # the plain run: everything but the timed test
+        ("not slow and not distributed", 6),  # the README's fast subset: no timed test either
         ("slow or distributed", 2),
         ("perf", 1),  # named: the timed test alone
     ],

@@ -145,6 +145,7 @@ def _partial(fs: object, root: str) -> int:
 
 
 @pytest.mark.slow  # about 55 s on 2 cores: 31 forked fits, each about 1 s to its first step
+@pytest.mark.waits  # for the S3 server and the kills
 def test_sigkill_during_saves_uploads_and_evictions_then_resume_from_the_store_is_bitwise_exact(
     tmp_path: Path, s3_env: dict[str, str]
 ) -> None:

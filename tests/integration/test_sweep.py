@@ -140,6 +140,7 @@ class Pace(ember.Callback):
 
 
 @pytest.mark.slow  # two sweeps of 2 workers each
+@pytest.mark.waits  # for the trial to be killed
 def test_sigkill_mid_trial_then_the_same_command_finishes_without_counting_twice(
     files: tuple[Path, Path], tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -176,6 +176,7 @@ def as_mlflow(values: set[tuple[str, int, float]]) -> set[tuple[str, int, float]
 
 
 @pytest.mark.slow  # three mlflow server starts (about 5 s each here) and four short fits
+@pytest.mark.waits  # for the servers and the paced epochs
 def test_a_tracking_server_killed_mid_run_costs_no_time_and_loses_no_metric(
     tmp_path: Path, server: Server, quick_mlflow: None, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -215,6 +216,7 @@ def test_a_tracking_server_killed_mid_run_costs_no_time_and_loses_no_metric(
     assert as_mlflow(down.values) == on_server(server.url, "down")
 
 
+@pytest.mark.waits  # for the calls that hang
 def test_an_unreachable_tracking_uri_never_delays_training(
     tmp_path: Path, quick_mlflow: None, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -317,6 +317,7 @@ def mlflow_server(root: Path) -> Iterator[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.waits  # for the mlflow server to start
 def test_a_fit_logs_to_a_live_mlflow_server_over_http(tmp_path: Path) -> None:
     with mlflow_server(tmp_path) as url:
         logger = MLflowLogger(experiment_name="served", tracking_uri=url)
