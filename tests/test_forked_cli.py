@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import forked_cli
@@ -120,6 +121,10 @@ def test_the_server_s_sys_path_does_not_leak_into_a_command(project: tuple[Path,
 
 def test_a_command_past_its_timeout_is_killed_and_raises_as_subprocess_run_does(tmp_path: Path) -> None:
     (tmp_path / "slow.py").write_text("import time\ntime.sleep(60)\n")
-    (tmp_path / "slow.yaml").write_text("module: {_target_: slow.Nothing}\n")
+    # a whole config: one without `data` is refused before its module is imported, in less than the timeout
+    (tmp_path / "slow.yaml").write_text("module: {_target_: slow.Nothing}\ndata: {_target_: slow.Nothing}\n")
+    forked_cli.run(["--help"], cwd=tmp_path, env=dict(os.environ))  # the server is up: the timeout is the command's
+    started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
         forked_cli.run(["fit", "-c", "slow.yaml"], cwd=tmp_path, env=dict(os.environ), timeout=1)
+    assert time.monotonic() - started < 30  # killed at the timeout, not after the command's 60 s
