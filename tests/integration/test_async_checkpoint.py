@@ -49,7 +49,8 @@ QUIET: dict[str, Any] = dict(
     logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False
 )
 BIG = 8192
-#: the model of the check that steps go on during a write (the timing goal keeps `BIG`)
+#: the model of the checks that steps go on during a write and that an async save equals a sync one (the timing
+#: goal keeps `BIG`)
 MEDIUM = 4096
 
 
@@ -168,9 +169,9 @@ def test_async_save_equals_sync_save_bitwise(tmp_path: Path, monkeypatch: pytest
     final: dict[str, torch.Tensor] = {}
     for mode in ("async", "sync"):
         seed_everything(0)
-        module = Linear(BIG)
+        module = Linear(MEDIUM)  # 64 MiB of weights: the write is still in flight while the next steps run
         trainer = Trainer(max_steps=5, callbacks=[SaveAt(2, tmp_path / mode, mode == "async")], **QUIET)
-        trainer.fit(module, loader(BIG))
+        trainer.fit(module, loader(MEDIUM))
         final[mode] = module.layer.weight.detach().clone()
         del module, trainer
     assert log.of(tmp_path / "async").thread != threading.current_thread().name
