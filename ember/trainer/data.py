@@ -88,6 +88,22 @@ def finish_epoch(iterator: Iterator[Any], loader: Any) -> None:
 _END = object()
 
 
+def release_workers(loaders: Iterable[Any]) -> None:
+    """Stop the worker processes that loaders with ``persistent_workers=True`` keep between epochs; a loader's next
+    iteration starts new ones.
+
+    PyTorch stops them when the loader is freed. A fit's loaders are freed by the garbage collector (the trainer,
+    its loop and the loaders refer to one another), and there the queues that tell the workers to stop are
+    finalized before the loader: PyTorch then waits 5 s for each worker and kills it, at whatever later moment the
+    collector runs. The end of a fit stops them at once instead (as Lightning does when its loops end).
+    """
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and callable(getattr(iterator, "_shutdown_workers", None)):
+            iterator._shutdown_workers()
+            loader._iterator = None  # DataLoader.__iter__ makes a new iterator (and workers) the next time
+
+
 def set_epoch(loader: Any, epoch: int) -> None:
     """Call ``set_epoch(epoch)`` on the dataset and samplers that have it (seeded augmentation, distributed)."""
     batch_sampler = getattr(loader, "batch_sampler", None)

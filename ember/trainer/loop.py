@@ -39,6 +39,7 @@ from ember.trainer.data import (
     finish_epoch,
     loader_length,
     num_batches,
+    release_workers,
     resolve_loaders,
     set_epoch,
     unshuffled,
@@ -291,6 +292,7 @@ class FitLoop:
     def reload_loaders(self) -> None:
         """``reload_dataloaders_every_n_epochs``: ask the datamodule (or the module) for fresh loaders."""
         train, val, datamodule = self.sources
+        release_workers([self.train_loader, *self.val_loaders])
         self.distribute(*fit_loaders(self.trainer, self.module, train, val, datamodule))
 
     # --- stop conditions ---------------------------------------------------------------------

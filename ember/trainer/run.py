@@ -36,6 +36,7 @@ from ember.modules.datamodule import DataModule
 from ember.modules.module import TrainingModule
 from ember.strategies import allocator, launcher
 from ember.trainer import signals
+from ember.trainer.data import release_workers
 from ember.trainer.setup import default_callbacks, run_name
 
 if TYPE_CHECKING:
@@ -263,6 +264,8 @@ def finish(
         trainer.strategy.teardown()
         trainer.run_state.stage = None
     finally:
+        if stage is stages.FIT and trainer.fit_loop is not None:  # (an evaluation's loaders are its own locals)
+            release_workers([trainer.fit_loop.train_loader, *trainer.fit_loop.val_loaders])
         trainer.checkpoints.release_run()
         sync, trainer.run_state.log_sync = trainer.run_state.log_sync, None
         if sync is not None:  # the last copy of the logs, status.json's end included (also on preemption)

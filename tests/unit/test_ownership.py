@@ -82,6 +82,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("ember/checkpoint/resume.py", "object.__setattr__(loader)"): (
         "a resumed epoch's stand-in sampler, for one epoch; DataLoader forbids setting it after __init__"
     ),
+    ("ember/trainer/data.py", "loader._iterator"): (
+        "a DataLoader whose persistent workers a fit stopped makes a new iterator next time (Lightning does so too)"
+    ),
     ("ember/tuning/profiler.py", "setattr(obj)"): "the profiler times methods by wrapping them, and unwraps them",
     ("ember/tuning/batch_size.py", "setattr(self.datamodule)"): (
         "the batch-size finder sets the attribute the user named (Lightning's batch_arg_name), and puts it back"
