@@ -4,6 +4,7 @@ tests ran before it in the same process (the suite runs in random order, on seve
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import signal
@@ -137,6 +138,26 @@ class GlobalState:
         torch.set_anomaly_enabled(saved["anomaly"])
         torch.set_float32_matmul_precision(saved["matmul_precision"])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved["cudnn"]
+
+
+# --- the garbage collector's full passes -------------------------------------------------------------------------
+# A test process holds over a million objects once the suite's imports are done (torch, Lightning, transformers,
+# mlflow...), and a full pass of the cyclic collector walks all of them: 0.6 s each, about 50 times in the unit
+# tests alone (30 of their 133 s). What outlives a test file is moved out of the collector's sight
+# (`gc.freeze`) once that file's garbage is collected: later passes walk only what the running file made. What the
+# tests themselves create stays collectable as before.
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield  # the file's module fixtures end with its last test
+    if nextitem is None or nextitem.path != item.path:
+        gc.collect()
+        gc.freeze()
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (`--dist loadgroup`, pyproject.toml)
