@@ -113,6 +113,7 @@ class SpikeGuard(Callback):
         self._losses: list[Tensor] = []  # unchecked losses, one per batch
         self._steps: list[int] = []  # the optimizer step each of them fed (1-based)
         self._history: list[float] = []  # the last `window` checked losses
+        self._floor = math.inf  # at most the least of them (see `_check`); set with `_history` by `_keep_history`
         self._checked = 0  # steps checked since the fit started
         self._snapshot: Snapshot | None = None
         self._snapshot_step = 0  # the global step it holds
@@ -127,7 +128,8 @@ class SpikeGuard(Callback):
     def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
         """A new fit starts with nothing kept (a resumed one gets its record back from the checkpoint)."""
         if stage == "fit":
-            self.rewinds, self._losses, self._steps, self._history, self._checked = [], [], [], [], 0
+            self.rewinds, self._losses, self._steps, self._checked = [], [], [], 0
+            self._keep_history([])
             self._snapshot, self._snapshot_step, self._lr_until = None, 0, -1
             self._snapshot_detector = ([], 0)
 
@@ -206,17 +208,32 @@ class SpikeGuard(Callback):
         if trainer.world_size > 1:
             losses = trainer.strategy.reduce(losses.float(), "mean")
         values: list[float] = losses.tolist()  # the check's one host sync
-        history = self._history
-        median = _median(history) if self._judges() else math.nan
-        limit = self.factor * median
-        for value, step in zip(values, steps, strict=True):
-            if not math.isfinite(value) or value > limit:  # `> nan` is False: no median yet
-                steps.clear()
-                return step, value, median
+        history, judges = self._history, self._judges()
+        # Clean without the median when every value is finite (their sum is: a NaN or an inf would make it NaN or
+        # inf; an overflow only takes the exact path) and none is above factor x `_floor`, a number no larger than
+        # any checked loss kept, hence than their median: no value can then be above factor x median either.
+        clean = math.isfinite(sum(values)) and (not judges or max(values) <= self.factor * self._floor)
+        if not clean:
+            median = math.nan
+            if judges:
+                ordered = sorted(history)  # the median, as `statistics.median` takes it, without its checks
+                middle = len(ordered) // 2
+                median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+                self._floor = ordered[0]  # the least kept loss: the tightest floor
+            limit = self.factor * median
+            for value, step in zip(values, steps, strict=True):
+                if not math.isfinite(value) or value > limit:  # `> nan` is False: no median yet
+                    steps.clear()
+                    return step, value, median
         self._checked += len(set(steps))
         steps.clear()
         self._history = (history + values)[-self.window :]
+        self._floor = min(self._floor, *values)  # losses leaving the window never make a floor too high
         return None
+
+    def _keep_history(self, history: list[float]) -> None:
+        """Replace the detector's checked losses (a new fit, a rewind, a resume), and their floor."""
+        self._history, self._floor = history, min(history, default=math.inf)
 
     # --- rewinding -------------------------------------------------------------------------------
     def _rewind(self, trainer: Trainer, step: int, spike_step: int, value: float, median: float) -> None:
@@ -262,7 +279,7 @@ class SpikeGuard(Callback):
         self._steps.clear()
         if rewind.stop is None:  # the detector goes back too: the losses since the snapshot were of left-out batches
             history, self._checked = self._snapshot_detector
-            self._history = list(history)
+            self._keep_history(list(history))
         restored = record["restored_step"]
         if self.lr_scale != 1.0 and self.lr_scale_steps and rewind.stop is None:
             if self._lr_until >= 0:
@@ -309,7 +326,7 @@ class SpikeGuard(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rewinds = [dict(r) for r in state_dict.get("rewinds", [])]
         self._lr_until = int(state_dict.get("lr_until", -1))
-        self._history = [float(v) for v in state_dict.get("history", [])]  # absent from older checkpoints
+        self._keep_history([float(v) for v in state_dict.get("history", [])])  # absent from older checkpoints
         self._checked = int(state_dict.get("checked", 0))
 
 
@@ -327,12 +344,6 @@ def _global_samples(trainer: Trainer, samples: list[list[int] | None]) -> list[i
                 kept.append(batch)
         found += [index for batch in kept for index in batch]
     return found
-
-
-def _median(values: list[float]) -> float:
-    """`statistics.median` (the same arithmetic), without its checks: a check takes it every few steps."""
-    ordered, middle = sorted(values), len(values) // 2
-    return ordered[middle] if len(values) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _check_loss(loss: Any) -> None:
