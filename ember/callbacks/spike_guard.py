@@ -176,7 +176,7 @@ class SpikeGuard(Callback):
         if step % self.check_every_n_steps and batch_idx != self._last_batch and step != self._max_steps:
             return  # not a checking step (the epoch's last step and max_steps are: a fit may end with them)
         judged = self._judges()
-        spike = self._check(trainer)
+        spike = self._check(trainer, judged)
         if spike is None:
             if judged and step % self.snapshot_every_n_steps == 0:
                 self._take_snapshot(trainer)  # only after a judged check: warm-up losses may hide a spike's damage
@@ -187,7 +187,7 @@ class SpikeGuard(Callback):
         """The fit stops at this step boundary before its epoch's end (``max_time``, ``trainer.should_stop``): check
         the losses the last check did not see, so a spike in the fit's last steps is still rewound."""
         if self._steps and self._steps[-1] == trainer.global_step:
-            spike = self._check(trainer)
+            spike = self._check(trainer, self._judges())
             if spike is not None:
                 self._rewind(trainer, trainer.global_step, *spike)
 
@@ -200,15 +200,15 @@ class SpikeGuard(Callback):
         """Whether the next check compares losses with a median (the warm-up is over)."""
         return bool(self._history) and self._checked >= self.warmup_steps
 
-    def _check(self, trainer: Trainer) -> tuple[int, float, float] | None:
-        """The first kept loss that is a spike: (its step, its value, the median it was compared with); None if
-        none is. One host sync (and one all-reduce with several processes)."""
+    def _check(self, trainer: Trainer, judges: bool) -> tuple[int, float, float] | None:
+        """The first kept loss that is a spike: (its step, its value, the median it was compared with, if `judges`:
+        `_judges()` before the check); None if none is. One host sync (and one all-reduce with several processes)."""
         losses, steps = _stacked(self._losses), self._steps
         self._losses.clear()  # the lists are refilled, never reallocated
         if trainer.world_size > 1:
             losses = trainer.strategy.reduce(losses.float(), "mean")
         values: list[float] = losses.tolist()  # the check's one host sync
-        history, judges = self._history, self._judges()
+        history = self._history
         # Clean without the median when every value is finite (their sum is: a NaN or an inf would make it NaN or
         # inf; an overflow only takes the exact path) and none is above factor x `_floor`, a number no larger than
         # any checked loss kept, hence than their median: no value can then be above factor x median either.
@@ -227,7 +227,9 @@ class SpikeGuard(Callback):
                     return step, value, median
         self._checked += len(set(steps))
         steps.clear()
-        self._history = (history + values)[-self.window :]
+        history += values  # in place: snapshots and checkpoints hold copies
+        if len(history) > self.window:
+            del history[: len(history) - self.window]
         self._floor = min(self._floor, *values)  # losses leaving the window never make a floor too high
         return None
 

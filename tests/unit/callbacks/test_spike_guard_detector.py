@@ -26,6 +26,11 @@ loss = st.one_of(
 )
 
 
+def check(guard: SpikeGuard) -> tuple[int, float, float] | None:
+    """The guard's check of the losses it kept, as its hook runs it."""
+    return guard._check(TRAINER, guard._judges())
+
+
 class Plain:
     """The documented rule, with `statistics.median` and no shortcut."""
 
@@ -71,7 +76,7 @@ def test_the_detector_decides_as_the_plain_median_rule(
         step = steps[-1]
         guard._losses.extend(torch.tensor(v, dtype=torch.float64) for v in values)
         guard._steps.extend(steps)
-        found, expected = guard._check(TRAINER), plain.check(values, steps)
+        found, expected = check(guard), plain.check(values, steps)
         assert same(found, expected), (found, expected)
         assert guard._history == plain.history and guard._checked == plain.checked
         if go_back:  # a rewind: the detector goes back to what it held at an earlier point
@@ -86,17 +91,17 @@ def test_a_clean_check_needs_no_median_and_a_rise_above_the_floor_takes_the_exac
     for step, value in enumerate([1.0, 0.8, 0.9, 1.1], start=1):
         guard._losses.append(torch.tensor(value, dtype=torch.float64))
         guard._steps.append(step)
-        assert guard._check(TRAINER) is None
+        assert check(guard) is None
     assert guard._history == [1.0, 0.8, 0.9, 1.1] and guard._floor == 0.8
     # above 4 x 0.8 but not above 4 x the median (0.95): clean
     guard._losses.append(torch.tensor(3.5, dtype=torch.float64))
     guard._steps.append(5)
-    assert guard._check(TRAINER) is None
+    assert check(guard) is None
     assert guard._history == [0.8, 0.9, 1.1, 3.5]
     # above 4 x the median of [0.8, 0.9, 1.1, 3.5] (1.0): a spike
     guard._losses.append(torch.tensor(4.1, dtype=torch.float64))
     guard._steps.append(6)
-    assert guard._check(TRAINER) == (6, 4.1, 1.0)
+    assert check(guard) == (6, 4.1, 1.0)
 
 
 def test_a_resumed_detector_judges_its_first_losses_against_the_checkpointed_ones() -> None:
@@ -104,7 +109,7 @@ def test_a_resumed_detector_judges_its_first_losses_against_the_checkpointed_one
     guard.load_state_dict({"history": [1.0, 2.0, 1.5], "checked": 3})
     guard._losses.append(torch.tensor(6.5, dtype=torch.float64))  # above 4 x the median 1.5
     guard._steps.append(4)
-    assert guard._check(TRAINER) == (4, 6.5, 1.5)
+    assert check(guard) == (4, 6.5, 1.5)
     guard._losses.append(torch.tensor(5.5, dtype=torch.float64))  # below 4 x 1.5, above 4 x the least (1.0)
     guard._steps.append(4)
-    assert guard._check(TRAINER) is None and guard._history == [2.0, 1.5, 5.5]
+    assert check(guard) is None and guard._history == [2.0, 1.5, 5.5]
