@@ -154,9 +154,14 @@ class CallbackList:
         return bool(self._table[name])
 
     def bound(self, name: str) -> Callable[..., None] | None:
-        """This list's method for hook `name`, or None when nobody implements it (the loop skips the call)."""
+        """What the loop calls for hook `name` (resolved once per epoch): None when nobody implements it (the loop
+        skips the call), the one implementation itself when there is one (a per-batch hook then costs one call, not
+        a call of this list's method that loops over one), else this list's method, which calls each in order."""
+        fns = self._table[name]
+        if len(fns) == 1:
+            return fns[0]
         method: Callable[..., None] = getattr(self, name)
-        return method if self._table[name] else None
+        return method if fns else None
 
     def _call(self, name: str, *args: Any) -> None:
         for fn in self._table[name]:

@@ -113,6 +113,7 @@ class SpikeGuard(Callback):
         self._losses: list[Tensor] = []  # unchecked losses, one per batch
         self._steps: list[int] = []  # the optimizer step each of them fed (1-based)
         self._history: list[float] = []  # the last `window` checked losses
+        self._floor = math.inf  # at most the least of them (see `_check`); set with `_history` by `_keep_history`
         self._checked = 0  # steps checked since the fit started
         self._snapshot: Snapshot | None = None
         self._snapshot_step = 0  # the global step it holds
@@ -127,7 +128,8 @@ class SpikeGuard(Callback):
     def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
         """A new fit starts with nothing kept (a resumed one gets its record back from the checkpoint)."""
         if stage == "fit":
-            self.rewinds, self._losses, self._steps, self._history, self._checked = [], [], [], [], 0
+            self.rewinds, self._losses, self._steps, self._checked = [], [], [], 0
+            self._keep_history([])
             self._snapshot, self._snapshot_step, self._lr_until = None, 0, -1
             self._snapshot_detector = ([], 0)
 
@@ -174,7 +176,7 @@ class SpikeGuard(Callback):
         if step % self.check_every_n_steps and batch_idx != self._last_batch and step != self._max_steps:
             return  # not a checking step (the epoch's last step and max_steps are: a fit may end with them)
         judged = self._judges()
-        spike = self._check(trainer)
+        spike = self._check(trainer, judged)
         if spike is None:
             if judged and step % self.snapshot_every_n_steps == 0:
                 self._take_snapshot(trainer)  # only after a judged check: warm-up losses may hide a spike's damage
@@ -185,7 +187,7 @@ class SpikeGuard(Callback):
         """The fit stops at this step boundary before its epoch's end (``max_time``, ``trainer.should_stop``): check
         the losses the last check did not see, so a spike in the fit's last steps is still rewound."""
         if self._steps and self._steps[-1] == trainer.global_step:
-            spike = self._check(trainer)
+            spike = self._check(trainer, self._judges())
             if spike is not None:
                 self._rewind(trainer, trainer.global_step, *spike)
 
@@ -198,25 +200,42 @@ class SpikeGuard(Callback):
         """Whether the next check compares losses with a median (the warm-up is over)."""
         return bool(self._history) and self._checked >= self.warmup_steps
 
-    def _check(self, trainer: Trainer) -> tuple[int, float, float] | None:
-        """The first kept loss that is a spike: (its step, its value, the median it was compared with); None if
-        none is. One host sync (and one all-reduce with several processes)."""
+    def _check(self, trainer: Trainer, judges: bool) -> tuple[int, float, float] | None:
+        """The first kept loss that is a spike: (its step, its value, the median it was compared with, if `judges`:
+        `_judges()` before the check); None if none is. One host sync (and one all-reduce with several processes)."""
         losses, steps = _stacked(self._losses), self._steps
         self._losses.clear()  # the lists are refilled, never reallocated
         if trainer.world_size > 1:
             losses = trainer.strategy.reduce(losses.float(), "mean")
         values: list[float] = losses.tolist()  # the check's one host sync
         history = self._history
-        median = _median(history) if self._judges() else math.nan
-        limit = self.factor * median
-        for value, step in zip(values, steps, strict=True):
-            if not math.isfinite(value) or value > limit:  # `> nan` is False: no median yet
-                steps.clear()
-                return step, value, median
+        # Clean without the median when every value is finite (their sum is: a NaN or an inf would make it NaN or
+        # inf; an overflow only takes the exact path) and none is above factor x `_floor`, a number no larger than
+        # any checked loss kept, hence than their median: no value can then be above factor x median either.
+        clean = math.isfinite(sum(values)) and (not judges or max(values) <= self.factor * self._floor)
+        if not clean:
+            median = math.nan
+            if judges:
+                ordered = sorted(history)  # the median, as `statistics.median` takes it, without its checks
+                middle = len(ordered) // 2
+                median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+                self._floor = ordered[0]  # the least kept loss: the tightest floor
+            limit = self.factor * median
+            for value, step in zip(values, steps, strict=True):
+                if not math.isfinite(value) or value > limit:  # `> nan` is False: no median yet
+                    steps.clear()
+                    return step, value, median
         self._checked += len(set(steps))
         steps.clear()
-        self._history = (history + values)[-self.window :]
+        history += values  # in place: snapshots and checkpoints hold copies
+        if len(history) > self.window:
+            del history[: len(history) - self.window]
+        self._floor = min(self._floor, *values)  # losses leaving the window never make a floor too high
         return None
+
+    def _keep_history(self, history: list[float]) -> None:
+        """Replace the detector's checked losses (a new fit, a rewind, a resume), and their floor."""
+        self._history, self._floor = history, min(history, default=math.inf)
 
     # --- rewinding -------------------------------------------------------------------------------
     def _rewind(self, trainer: Trainer, step: int, spike_step: int, value: float, median: float) -> None:
@@ -262,7 +281,7 @@ class SpikeGuard(Callback):
         self._steps.clear()
         if rewind.stop is None:  # the detector goes back too: the losses since the snapshot were of left-out batches
             history, self._checked = self._snapshot_detector
-            self._history = list(history)
+            self._keep_history(list(history))
         restored = record["restored_step"]
         if self.lr_scale != 1.0 and self.lr_scale_steps and rewind.stop is None:
             if self._lr_until >= 0:
@@ -309,7 +328,7 @@ class SpikeGuard(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rewinds = [dict(r) for r in state_dict.get("rewinds", [])]
         self._lr_until = int(state_dict.get("lr_until", -1))
-        self._history = [float(v) for v in state_dict.get("history", [])]  # absent from older checkpoints
+        self._keep_history([float(v) for v in state_dict.get("history", [])])  # absent from older checkpoints
         self._checked = int(state_dict.get("checked", 0))
 
 
@@ -327,12 +346,6 @@ def _global_samples(trainer: Trainer, samples: list[list[int] | None]) -> list[i
                 kept.append(batch)
         found += [index for batch in kept for index in batch]
     return found
-
-
-def _median(values: list[float]) -> float:
-    """`statistics.median` (the same arithmetic), without its checks: a check takes it every few steps."""
-    ordered, middle = sorted(values), len(values) // 2
-    return ordered[middle] if len(values) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _check_loss(loss: Any) -> None:

@@ -134,3 +134,54 @@ def test_the_python_stream_is_captured_afresh_after_a_draw() -> None:
         assert capture_rng()["python"][1].tolist() == first.tolist()
     finally:
         random.setstate(state)
+
+
+def numpy_now() -> tuple[object, ...]:
+    """NumPy's legacy global stream as `capture_rng` records it, read the slow way."""
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return (kind, keys.tolist(), pos, has_gauss, cached)
+
+
+def captured_numpy() -> tuple[object, ...]:
+    kind, keys, pos, has_gauss, cached = capture_rng()["numpy"]
+    return (kind, keys.tolist(), pos, has_gauss, cached)
+
+
+def test_the_numpy_stream_is_read_again_only_after_a_draw() -> None:
+    np = pytest.importorskip("numpy")
+    np.random.seed(3)
+    first = capture_rng()["numpy"]
+    assert capture_rng()["numpy"] is first  # nothing drawn: the same record, not read again
+    assert captured_numpy() == numpy_now()
+    np.random.random_sample()
+    after = capture_rng()["numpy"]
+    assert after is not first and after[2] != first[2]
+    assert captured_numpy() == numpy_now()
+    np.random.seed(3)  # the same state again: an equal record
+    assert captured_numpy()[1:] == (first[1].tolist(), *first[2:])
+
+
+def test_a_cached_gaussian_used_up_without_a_key_change_is_recorded() -> None:
+    np = pytest.importorskip("numpy")
+    np.random.seed(4)
+    np.random.standard_normal()  # draws two normals from the key, caches the second
+    with_gauss = capture_rng()["numpy"]
+    assert with_gauss[3] == 1
+    np.random.standard_normal()  # returns the cached one: the key words and position stay as they were
+    used_up = captured_numpy()
+    assert used_up[3] == 0 and used_up[1:3] == (with_gauss[1].tolist(), with_gauss[2])
+    assert used_up == numpy_now()
+
+
+def test_restoring_a_state_with_a_cached_gaussian_is_recorded_as_restored() -> None:
+    np = pytest.importorskip("numpy")
+    np.random.seed(5)
+    np.random.standard_normal()
+    with_gauss = capture_rng()
+    expected = np.random.standard_normal()  # the cached value
+    assert captured_numpy()[3] == 0  # recorded without one: the record a same-key state could reuse
+    restore_rng(with_gauss)  # the same key words and position, with the cached Gaussian
+    assert captured_numpy() == numpy_now() and captured_numpy()[3] == 1
+    assert np.random.standard_normal() == expected
