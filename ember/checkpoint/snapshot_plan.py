@@ -1,0 +1,141 @@
+"""A rolling snapshot's plan: what one in-memory snapshot of the training state keeps for the next.
+
+A snapshot (``trainer.snapshot``) gathers the model's and optimizers' tensors and copies them into host buffers.
+Gathering them afresh each time walks every submodule (``state_dict``) and every parameter's name (the optimizer
+state is keyed by name): fixed host work that does not depend on the model's size. A `SnapshotPlan` keeps what
+that walk found, the model's state entries (key and live tensor, in ``state_dict``'s order) and each parameter's
+name, from one snapshot to the next, together with the host buffers the copies go into (``staging``).
+
+Before each use the plan checks that the model's structure is still the one it was built from: every submodule's
+parameters, buffers, children and state-dict hooks are the same objects as then (the plan holds them, so an
+object's identity cannot be taken by a new one). Anything else (a parameter or buffer replaced, a submodule added,
+a hook registered) rebuilds the plan from a fresh ``state_dict`` walk. The optimizer state is read each time (it
+appears at the first step, param groups may be added): only the parameters' names are kept. Shapes and dtypes are
+checked at each copy (`ember.checkpoint.staging.staging_buffer`), so a tensor resized in place gets a new buffer.
+A model the plan cannot describe by its parameters and buffers alone (a submodule that overrides ``state_dict`` or
+holds extra state, a tensor subclass such as a DTensor, names the optimizer state cannot use) is gathered the
+general way (`ember.checkpoint.registry.gather`), as without a plan. Either way the snapshot is the same, key for
+key and byte for byte (tests/unit/checkpoint/test_snapshot_plan.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from ember.checkpoint.format import _TENSOR_MARK
+from ember.checkpoint.staging import copy_into, staging_buffer
+from ember.strategies.strategy import Strategy, optimizer_state_named, parameter_names
+
+if TYPE_CHECKING:
+    from ember.trainer.trainer import Trainer
+
+_PLAIN = (Tensor, nn.Parameter)
+_IMMUTABLE = (int, float, bool, str, bytes, complex, type(None))
+
+
+class SnapshotPlan:
+    """The host buffers of a rolling snapshot and the model's state entries it copies, kept between snapshots.
+
+    Pass one to ``trainer.snapshot(plan)`` each time; the snapshot it returns holds the plan's buffers, so the
+    next snapshot taken with the same plan overwrites it (a rolling snapshot keeps one).
+    """
+
+    def __init__(self) -> None:
+        #: Host buffers by checkpoint key, reused snapshot after snapshot (as an async save's staging).
+        self.staging: dict[str, Tensor] = {}
+        #: How many times the plan was built from a fresh ``state_dict`` walk.
+        self.builds = 0
+        self._module: nn.Module | None = None
+        self._watched: list[Any] = []  # the dicts whose values make the structure, and their values then
+        self._expected: list[Any] = []
+        self._transient: list[set[str]] = []  # each submodule's non-persistent buffer names, and how many then
+        self._transient_sizes: list[int] = []
+        self._entries: list[tuple[str, Tensor]] = []  # (checkpoint key, live tensor), in state_dict order
+        self._skeleton: dict[str, Any] = {}  # the module's part of the tensor skeleton (shared: never changed)
+        self._names: dict[Tensor, str] = {}
+        self._usable = False
+
+    def tensor_state(self, trainer: Trainer, module: nn.Module) -> tuple[Any, dict[str, Tensor]] | None:
+        """The module's and optimizers' state as `ember.checkpoint.format.split_tensors` splits it (the skeleton,
+        then ``{key: tensor}``), the tensors copied into the plan's host buffers and the skeleton's other values
+        copied as ``registry.copy_state`` copies them; None when the plan cannot describe this model (gather it
+        the general way)."""
+        if module is not self._module or not self._unchanged():
+            self._build(trainer, module)
+        if not self._usable:
+            return None
+        optimizers = []
+        for optimizer in trainer.optimizers:
+            named = optimizer_state_named(optimizer, self._names)
+            if named is None:
+                return None  # a parameter the module does not hold: the general path decides
+            optimizers.append(named)
+        staging, tensors = self.staging, {}
+        with torch.no_grad():
+            for key, source in self._entries:
+                buffer = staging_buffer(staging, key, source)
+                tensors[key] = buffer.copy_(source)
+            optimizer_skeleton = _split_copy(optimizers, "/optimizers", staging, tensors)
+        return {"module": self._skeleton, "optimizers": optimizer_skeleton}, tensors
+
+    def _unchanged(self) -> bool:
+        current = [value for watched in self._watched for value in watched.values()]
+        return (
+            len(current) == len(self._expected)
+            and all(map(operator.is_, current, self._expected))
+            and list(map(len, self._transient)) == self._transient_sizes
+        )
+
+    def _build(self, trainer: Trainer, module: nn.Module) -> None:
+        self.builds += 1
+        self._module, self._usable = module, False
+        modules = list(module.modules())
+        self._watched = [
+            watched
+            for m in modules
+            for watched in (m._parameters, m._buffers, m._modules, m._state_dict_hooks, m._state_dict_pre_hooks)
+        ]
+        self._expected = [value for watched in self._watched for value in watched.values()]
+        self._transient = [m._non_persistent_buffers_set for m in modules]  # a buffer made non-persistent
+        self._transient_sizes = list(map(len, self._transient))
+        names = parameter_names(module)
+        if names is None or type(trainer.strategy).optimizer_state is not Strategy.optimizer_state:
+            return
+        if any(_custom_state(m) for m in modules):
+            return
+        entries = [(f"/module/{key}", value) for key, value in module.state_dict(keep_vars=True).items()]
+        if any(type(value) not in _PLAIN for _, value in entries):
+            return
+        self._entries, self._names, self._usable = entries, names, True
+        self._skeleton = {key[len("/module/") :]: {_TENSOR_MARK: key} for key, _ in entries}
+
+
+def _custom_state(module: nn.Module) -> bool:
+    """Whether `module`'s state dict may hold more than its parameters and persistent buffers."""
+    kind = type(module)
+    return (
+        kind.state_dict is not nn.Module.state_dict
+        or kind._save_to_state_dict is not nn.Module._save_to_state_dict
+        or kind.get_extra_state is not nn.Module.get_extra_state
+        or bool(module._state_dict_hooks or module._state_dict_pre_hooks)
+    )
+
+
+def _split_copy(value: Any, path: str, staging: dict[str, Tensor], tensors: dict[str, Tensor]) -> Any:
+    """`split_tensors` then `copy_state` in one walk: containers rebuilt as split_tensors rebuilds them, tensors
+    copied into `staging` (``tensors[path]``) and replaced by their marker, immutable values shared, anything else
+    deep-copied."""
+    if isinstance(value, Tensor):
+        tensors[path] = copy_into(staging, path, value.detach(), on_cpu=True)
+        return {_TENSOR_MARK: path}
+    if isinstance(value, dict):
+        return {k: _split_copy(v, f"{path}/{k}", staging, tensors) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        items = [_split_copy(v, f"{path}/{i}", staging, tensors) for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    return value if type(value) in _IMMUTABLE else copy.deepcopy(value)
