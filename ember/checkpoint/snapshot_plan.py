@@ -55,7 +55,11 @@ class SnapshotPlan:
         self._expected: list[Any] = []
         self._transient: list[set[str]] = []  # each submodule's non-persistent buffer names, and how many then
         self._transient_sizes: list[int] = []
-        self._entries: list[tuple[str, Tensor]] = []  # (checkpoint key, live tensor), in state_dict order
+        self._keys: list[str] = []  # the module's checkpoint keys, in state_dict order
+        self._sources: list[Tensor] = []  # their live tensors
+        self._buffers: list[Tensor] = []  # and the host buffers they are copied into
+        self._layout: list[tuple[Any, ...]] = []  # (shape, dtype, device) of each source when its buffer was taken
+        self._foreach = False  # whether the sources are all host tensors (one `_foreach_copy_`)
         self._skeleton: dict[str, Any] = {}  # the module's part of the tensor skeleton (shared: never changed)
         self._names: dict[Tensor, str] = {}
         self._usable = False
@@ -75,12 +79,24 @@ class SnapshotPlan:
             if named is None:
                 return None  # a parameter the module does not hold: the general path decides
             optimizers.append(named)
-        staging, tensors = self.staging, {}
-        with torch.no_grad():
-            for key, source in self._entries:
-                buffer = staging_buffer(staging, key, source)
-                tensors[key] = buffer.copy_(source)
-            optimizer_skeleton = _split_copy(optimizers, "/optimizers", staging, tensors)
+        sources, buffers = self._sources, self._buffers
+        layout = [(source.shape, source.dtype, source.device) for source in sources]
+        if layout != self._layout:  # the first use, or a tensor resized or cast in place: buffers that fit it
+            pairs = zip(self._keys, sources, strict=True)
+            buffers[:] = [staging_buffer(self.staging, key, source) for key, source in pairs]
+            self._layout = layout
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # the buffers are no part of any graph (a context manager costs more)
+        try:
+            if self._foreach:
+                torch._foreach_copy_(buffers, sources)
+            else:
+                for buffer, source in zip(buffers, sources, strict=True):
+                    buffer.copy_(source)
+        finally:
+            torch._C._set_grad_enabled(grad)
+        tensors = dict(zip(self._keys, buffers, strict=True))
+        optimizer_skeleton = _split_copy(optimizers, "/optimizers", self.staging, tensors)
         return {"module": self._skeleton, "optimizers": optimizer_skeleton}, tensors
 
     def _unchanged(self) -> bool:
@@ -111,8 +127,11 @@ class SnapshotPlan:
         entries = [(f"/module/{key}", value) for key, value in module.state_dict(keep_vars=True).items()]
         if any(type(value) not in _PLAIN for _, value in entries):
             return
-        self._entries, self._names, self._usable = entries, names, True
-        self._skeleton = {key[len("/module/") :]: {_TENSOR_MARK: key} for key, _ in entries}
+        self._keys, self._sources = [key for key, _ in entries], [value for _, value in entries]
+        self._buffers, self._layout = [], []
+        self._foreach = all(value.device.type == "cpu" for value in self._sources)
+        self._names, self._usable = names, True
+        self._skeleton = {key[len("/module/") :]: {_TENSOR_MARK: key} for key in self._keys}
 
 
 def _custom_state(module: nn.Module) -> bool:
@@ -130,12 +149,18 @@ def _split_copy(value: Any, path: str, staging: dict[str, Tensor], tensors: dict
     """`split_tensors` then `copy_state` in one walk: containers rebuilt as split_tensors rebuilds them, tensors
     copied into `staging` (``tensors[path]``) and replaced by their marker, immutable values shared, anything else
     deep-copied."""
+    if type(value) in _IMMUTABLE:
+        return value
     if isinstance(value, Tensor):
         tensors[path] = copy_into(staging, path, value.detach(), on_cpu=True)
         return {_TENSOR_MARK: path}
     if isinstance(value, dict):
-        return {k: _split_copy(v, f"{path}/{k}", staging, tensors) for k, v in value.items()}
+        return {
+            k: v if type(v) in _IMMUTABLE else _split_copy(v, f"{path}/{k}", staging, tensors) for k, v in value.items()
+        }
     if isinstance(value, list | tuple):
-        items = [_split_copy(v, f"{path}/{i}", staging, tensors) for i, v in enumerate(value)]
+        items = [
+            v if type(v) in _IMMUTABLE else _split_copy(v, f"{path}/{i}", staging, tensors) for i, v in enumerate(value)
+        ]
         return items if isinstance(value, list) else tuple(items)
-    return value if type(value) in _IMMUTABLE else copy.deepcopy(value)
+    return copy.deepcopy(value)
