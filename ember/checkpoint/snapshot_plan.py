@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from ember.checkpoint.format import _TENSOR_MARK
 from ember.checkpoint.staging import copy_into, staging_buffer
-from ember.strategies.strategy import Strategy, optimizer_state_named, parameter_names
+from ember.strategies.strategy import Strategy, optimizer_index_names, optimizer_state_indexed, parameter_names
 
 if TYPE_CHECKING:
     from ember.trainer.trainer import Trainer
@@ -62,6 +62,8 @@ class SnapshotPlan:
         self._foreach = False  # whether the sources are all host tensors (one `_foreach_copy_`)
         self._skeleton: dict[str, Any] = {}  # the module's part of the tensor skeleton (shared: never changed)
         self._names: dict[Tensor, str] = {}
+        #: By optimizer (its id; it is kept, so the id is not reused): the optimizer, its parameters, their names.
+        self._optimizer_names: dict[int, tuple[Any, list[Tensor], dict[int, str]]] = {}
         self._usable = False
 
     def tensor_state(self, trainer: Trainer, module: nn.Module) -> tuple[Any, dict[str, Tensor]] | None:
@@ -75,10 +77,10 @@ class SnapshotPlan:
             return None
         optimizers = []
         for optimizer in trainer.optimizers:
-            named = optimizer_state_named(optimizer, self._names)
-            if named is None:
+            index_name = self._index_names(optimizer)
+            if index_name is None:
                 return None  # a parameter the module does not hold: the general path decides
-            optimizers.append(named)
+            optimizers.append(optimizer_state_indexed(optimizer, index_name))
         sources, buffers = self._sources, self._buffers
         layout = [(source.shape, source.dtype, source.device) for source in sources]
         if layout != self._layout:  # the first use, or a tensor resized or cast in place: buffers that fit it
@@ -98,6 +100,19 @@ class SnapshotPlan:
         tensors = dict(zip(self._keys, buffers, strict=True))
         optimizer_skeleton = _split_copy(optimizers, "/optimizers", self.staging, tensors)
         return {"module": self._skeleton, "optimizers": optimizer_skeleton}, tensors
+
+    def _index_names(self, optimizer: Any) -> dict[int, str] | None:
+        """The optimizer's parameter names by index: those found for the same parameters last time (compared by
+        identity: a param group added or changed finds them again)."""
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        last = self._optimizer_names.get(id(optimizer))
+        same = last is not None and last[0] is optimizer and len(last[1]) == len(params)
+        if last is not None and same and all(map(operator.is_, params, last[1])):
+            return last[2]
+        index_name = optimizer_index_names(optimizer, self._names)
+        if index_name is not None:
+            self._optimizer_names[id(optimizer)] = (optimizer, params, index_name)
+        return index_name
 
     def _unchanged(self) -> bool:
         current = [value for watched in self._watched for value in watched.values()]
@@ -130,7 +145,7 @@ class SnapshotPlan:
         self._keys, self._sources = [key for key, _ in entries], [value for _, value in entries]
         self._buffers, self._layout = [], []
         self._foreach = all(value.device.type == "cpu" for value in self._sources)
-        self._names, self._usable = names, True
+        self._names, self._optimizer_names, self._usable = names, {}, True
         self._skeleton = {key[len("/module/") :]: {_TENSOR_MARK: key} for key in self._keys}
 
 

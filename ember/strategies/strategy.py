@@ -155,11 +155,22 @@ def parameter_names(module: nn.Module) -> dict[Tensor, str] | None:
 def optimizer_state_named(optimizer: Optimizer, names: dict[Tensor, str]) -> dict[str, Any] | None:
     """`optimizer_state_by_name` with the parameters' `names` (`parameter_names`) given: None when the optimizer
     holds a parameter `names` lacks."""
+    index_name = optimizer_index_names(optimizer, names)
+    return None if index_name is None else optimizer_state_indexed(optimizer, index_name)
+
+
+def optimizer_index_names(optimizer: Optimizer, names: dict[Tensor, str]) -> dict[int, str] | None:
+    """Each of the optimizer's parameter indices (as ``optimizer.state_dict()`` numbers them) and its name in
+    `names`; None when a parameter has none."""
     params = [param for group in optimizer.param_groups for param in group["params"]]
     if any(param not in names for param in params):
         return None
+    return {index: names[param] for index, param in enumerate(params)}
+
+
+def optimizer_state_indexed(optimizer: Optimizer, index_name: dict[int, str]) -> dict[str, Any]:
+    """`optimizer_state_by_name` with the parameters' names by index (`optimizer_index_names`) given."""
     saved = optimizer.state_dict()
-    index_name = {index: names[param] for index, param in enumerate(params)}
     return {
         "state": {index_name[index]: value for index, value in saved["state"].items()},
         "param_groups": [
