@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 _PLAIN = (Tensor, nn.Parameter)
 _IMMUTABLE = (int, float, bool, str, bytes, complex, type(None))
+_SEQUENCES = (list, tuple)
 
 
 class SnapshotPlan:
@@ -163,19 +164,21 @@ def _custom_state(module: nn.Module) -> bool:
 def _split_copy(value: Any, path: str, staging: dict[str, Tensor], tensors: dict[str, Tensor]) -> Any:
     """`split_tensors` then `copy_state` in one walk: containers rebuilt as split_tensors rebuilds them, tensors
     copied into `staging` (``tensors[path]``) and replaced by their marker, immutable values shared, anything else
-    deep-copied."""
-    if type(value) in _IMMUTABLE:
+    deep-copied. Plain dicts, lists and tuples are told by their type first: ``isinstance(value, Tensor)`` goes
+    through torch's metaclass, several times the cost."""
+    kind = type(value)
+    if kind in _IMMUTABLE:
         return value
-    if isinstance(value, Tensor):
-        tensors[path] = copy_into(staging, path, value.detach(), on_cpu=True)
-        return {_TENSOR_MARK: path}
-    if isinstance(value, dict):
+    if kind is dict or (kind not in _SEQUENCES and not isinstance(value, Tensor) and isinstance(value, dict)):
         return {
             k: v if type(v) in _IMMUTABLE else _split_copy(v, f"{path}/{k}", staging, tensors) for k, v in value.items()
         }
-    if isinstance(value, list | tuple):
+    if kind in _SEQUENCES or (not isinstance(value, Tensor) and isinstance(value, list | tuple)):
         items = [
             v if type(v) in _IMMUTABLE else _split_copy(v, f"{path}/{i}", staging, tensors) for i, v in enumerate(value)
         ]
         return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, Tensor):
+        tensors[path] = copy_into(staging, path, value.detach(), on_cpu=True)
+        return {_TENSOR_MARK: path}
     return copy.deepcopy(value)

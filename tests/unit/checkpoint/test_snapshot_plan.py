@@ -166,3 +166,29 @@ def test_a_model_the_plan_cannot_describe_is_gathered_the_general_way(tmp_path: 
 
     run(tmp_path, (0, 2), compare, module)
     assert plan.builds == 1 and plan.staging  # checked once; its buffers still reused
+
+
+def test_the_one_walk_splits_and_copies_as_split_tensors_then_copy_state() -> None:
+    from collections import OrderedDict, namedtuple
+
+    from ember.checkpoint.format import split_tensors
+    from ember.checkpoint.registry import copy_state
+    from ember.checkpoint.snapshot_plan import _split_copy
+
+    pair = namedtuple("pair", "a b")
+    group = {"lr": 0.1, "betas": (0.9, 0.99), "tags": {"x"}, "params": ["w"], "scale": torch.tensor(2.0)}
+    value = [{"state": OrderedDict(w={"m": torch.ones(2)}), "param_groups": [group]}, pair(torch.zeros(1), None)]
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _split_copy(value, "/optimizers", {}, tensors)
+    expected_skeleton, expected = split_tensors({"optimizers": value})
+    assert skeleton == copy_state(expected_skeleton)["optimizers"]
+    assert [type(x) for x in (skeleton[0]["state"], skeleton[1])] == [dict, tuple]  # as split_tensors rebuilds them
+    assert (
+        list(tensors)
+        == list(expected)
+        == ["/optimizers/0/state/w/m", "/optimizers/0/param_groups/0/scale", "/optimizers/1/0"]
+    )
+    assert all(torch.equal(tensors[k], expected[k]) for k in expected)
+    assert skeleton[0]["param_groups"][0]["tags"] is not group["tags"]  # a mutable leaf is deep-copied
+    value[0]["state"]["w"]["m"].add_(1)
+    assert tensors["/optimizers/0/state/w/m"].tolist() == [1.0, 1.0]  # copies, not the live tensors
