@@ -317,7 +317,7 @@ def gather(
     if copy:
         if planned is None:
             tensors = {k: copy_into(staging, k, v.detach(), on_cpu) for k, v in tensors.items()}
-        if staging is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        if staging is not None and torch.cuda.is_initialized() and torch.cuda.is_available():
             torch.cuda.synchronize()  # the copies into pinned memory ran asynchronously; the writer reads them
         # a planned skeleton is a copy already (`snapshot_plan._split_copy`)
         meta = {k: v if planned is not None and k == "tensor_skeleton" else copy_state(v) for k, v in meta.items()}

@@ -41,7 +41,7 @@ def capture_rng() -> dict[str, Any]:
     np = sys.modules.get("numpy")
     if np is not None:
         state["numpy"] = _numpy_state(np)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized() and torch.cuda.is_available():  # the first alone is cheap: most hosts stop there
         # This process's device only: each rank records its own stream (in its own part of the checkpoint),
         # so the checkpoint does not depend on how many devices the host shows.
         state["cuda_device"] = torch.cuda.get_rng_state(torch.cuda.current_device())
