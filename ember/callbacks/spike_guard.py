@@ -134,6 +134,11 @@ class SpikeGuard(Callback):
             self._snapshot, self._snapshot_step, self._lr_until = None, 0, -1
             self._snapshot_detector = ([], 0)
 
+    def teardown(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
+        """The fit is over: the snapshot plan lets go of the model and optimizers it watched (its buffers stay)."""
+        if stage == "fit":
+            self._plan.release()
+
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
         """The first snapshot: the fit's start (a resumed fit takes its first after its first clean check)."""
         self._last_batch, self._max_steps = trainer.epoch_plan.num_batches - 1, trainer.max_steps

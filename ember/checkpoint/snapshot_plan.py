@@ -88,6 +88,7 @@ class SnapshotPlan:
             pairs = zip(self._keys, sources, strict=True)
             buffers[:] = [staging_buffer(self.staging, key, source) for key, source in pairs]
             self._layout = layout
+            self._foreach = all(source.device.type == "cpu" for source in sources)
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # the buffers are no part of any graph (a context manager costs more)
         try:
@@ -101,6 +102,13 @@ class SnapshotPlan:
         tensors = dict(zip(self._keys, buffers, strict=True))
         optimizer_skeleton = _split_copy(optimizers, "/optimizers", self.staging, tensors)
         return {"module": self._skeleton, "optimizers": optimizer_skeleton}, tensors
+
+    def release(self) -> None:
+        """Let go of the model, its tensors and the optimizers the plan watched (a fit ended); the host buffers stay.
+        The next snapshot walks the model again."""
+        self._module, self._usable = None, False
+        self._watched, self._expected, self._transient, self._transient_sizes = [], [], [], []
+        self._sources, self._buffers, self._layout, self._names, self._optimizer_names = [], [], [], {}, {}
 
     def _index_names(self, optimizer: Any) -> dict[int, str] | None:
         """The optimizer's parameter names by index: those found for the same parameters last time (compared by
@@ -145,7 +153,6 @@ class SnapshotPlan:
             return
         self._keys, self._sources = [key for key, _ in entries], [value for _, value in entries]
         self._buffers, self._layout = [], []
-        self._foreach = all(value.device.type == "cpu" for value in self._sources)
         self._names, self._optimizer_names, self._usable = names, {}, True
         self._skeleton = {key[len("/module/") :]: {_TENSOR_MARK: key} for key in self._keys}
 

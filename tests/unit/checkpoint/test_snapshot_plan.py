@@ -192,3 +192,34 @@ def test_the_one_walk_splits_and_copies_as_split_tensors_then_copy_state() -> No
     assert skeleton[0]["param_groups"][0]["tags"] is not group["tags"]  # a mutable leaf is deep-copied
     value[0]["state"]["w"]["m"].add_(1)
     assert tensors["/optimizers/0/state/w/m"].tolist() == [1.0, 1.0]  # copies, not the live tensors
+
+
+def test_a_guard_lets_go_of_the_model_when_its_fit_ends_and_keeps_its_buffers(tmp_path: Path) -> None:
+    from ember.callbacks import SpikeGuard
+
+    guard = SpikeGuard(window=2, check_every_n_steps=2, snapshot_every_n_steps=2)
+    module = Net()
+    trainer = ember.Trainer(default_root_dir=str(tmp_path), callbacks=[guard], **QUIET)
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    trainer.fit(module, DataLoader(data, batch_size=8))
+    plan = guard._plan
+    assert plan.builds == 1 and {f"/module/{k}" for k in module.state_dict()} <= set(plan.staging)
+    held = [value for value in vars(plan).values() if value is not plan.staging]
+    live = [module, *module.parameters(), *module.buffers(), *trainer.optimizers]
+    assert not any(obj is x for obj in live for x in _reachable(held))  # the plan let go of them
+    again = ember.Trainer(default_root_dir=str(tmp_path), callbacks=[guard], **QUIET)
+    again.fit(module, DataLoader(data, batch_size=8))  # a second fit walks the model again
+    assert plan.builds == 2
+
+
+def _reachable(values: list[Any]) -> list[Any]:
+    """The objects in `values` and the lists, tuples and dicts they hold."""
+    found, todo = [], list(values)
+    while todo:
+        value = todo.pop()
+        found.append(value)
+        if isinstance(value, list | tuple):
+            todo += value
+        elif isinstance(value, dict):
+            todo += [*value.keys(), *value.values()]
+    return found
