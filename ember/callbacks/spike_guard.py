@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.utils.data import IterableDataset
 
 from ember.callbacks.callback import Callback
+from ember.checkpoint.snapshot_plan import SnapshotPlan
 
 if TYPE_CHECKING:
     from ember.checkpoint.registry import Snapshot
@@ -118,7 +119,7 @@ class SpikeGuard(Callback):
         self._snapshot: Snapshot | None = None
         self._snapshot_step = 0  # the global step it holds
         self._snapshot_detector: tuple[list[float], int] = ([], 0)  # `_history` and `_checked` when it was taken
-        self._staging: dict[str, Tensor] = {}
+        self._plan = SnapshotPlan()  # the snapshot's buffers and what it found of the model, kept between snapshots
         self._lr_until = -1  # the step at which a learning-rate scale ends (-1: none in force)
         self._last_batch: float = math.inf  # the epoch's last batch index and the fit's max_steps, read per epoch
         self._max_steps = -1
@@ -132,6 +133,11 @@ class SpikeGuard(Callback):
             self._keep_history([])
             self._snapshot, self._snapshot_step, self._lr_until = None, 0, -1
             self._snapshot_detector = ([], 0)
+
+    def teardown(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
+        """The fit is over: the snapshot plan lets go of the model and optimizers it watched (its buffers stay)."""
+        if stage == "fit":
+            self._plan.release()
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
         """The first snapshot: the fit's start (a resumed fit takes its first after its first clean check)."""
@@ -192,7 +198,7 @@ class SpikeGuard(Callback):
                 self._rewind(trainer, trainer.global_step, *spike)
 
     def _take_snapshot(self, trainer: Trainer) -> None:
-        self._snapshot, self._snapshot_step = trainer.snapshot(self._staging), trainer.global_step
+        self._snapshot, self._snapshot_step = trainer.snapshot(self._plan), trainer.global_step
         self._snapshot_detector = (list(self._history), self._checked)
 
     # --- detection -------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from ember.checkpoint.staging import copy_into
 from ember.version import __version__
 
 if TYPE_CHECKING:
+    from ember.checkpoint.snapshot_plan import SnapshotPlan
     from ember.modules.module import TrainingModule
     from ember.trainer.trainer import Trainer
 
@@ -276,6 +277,7 @@ def gather(
     staging: dict[str, Tensor] | None = None,
     on_cpu: bool = False,
     only: tuple[str, ...] | None = None,
+    plan: SnapshotPlan | None = None,
 ) -> Snapshot:
     """Collect the registry; with `copy`, tensors are copied so training may go on while it is written.
 
@@ -286,12 +288,19 @@ def gather(
     tensor parallel) is staged shard by shard: each DTensor's local shard in a host buffer (a `HostShard`).
     With `on_cpu` and no `staging`, the copies are made in host memory too (a rewind's snapshot: device
     memory stays the model's). With `only`, just those entries are gathered, without the hyperparameters
-    and config (a rewind's snapshot: what `restore_snapshot` puts back).
+    and config (a rewind's snapshot: what `restore_snapshot` puts back). With a `plan` (and `copy`), the model's
+    and optimizers' state is gathered and copied by it, into its buffers (`ember.checkpoint.snapshot_plan`).
     """
     entries = registry(trainer, module)
     names = ("module",) if weights_only else tuple(entries) if only is None else tuple(n for n in only if n in entries)
-    states = {name: entries[name].state_dict() for name in names}
-    skeleton, tensors = ckpt.split_tensors({k: states.pop(k) for k in _TENSOR_ENTRIES if k in states})
+    planned = None
+    if plan is not None and copy and not weights_only and all(name in names for name in _TENSOR_ENTRIES):
+        planned = plan.tensor_state(trainer, module)  # tensors already copied; None: the general way
+    states = {name: entries[name].state_dict() for name in names if planned is None or name not in _TENSOR_ENTRIES}
+    if planned is None:
+        skeleton, tensors = ckpt.split_tensors({k: states.pop(k) for k in _TENSOR_ENTRIES if k in states})
+    else:
+        skeleton, tensors = planned
     meta: dict[str, Any] = {
         "ember_version": __version__,
         "weights_only": weights_only,
@@ -306,10 +315,12 @@ def gather(
     epoch_start = trainer.fit_loop.epoch_start_state if trainer.fit_loop is not None else None
     rank_state = {"rng": capture_rng(), "epoch_start": epoch_start, **data_state(trainer)}
     if copy:
-        tensors = {k: copy_into(staging, k, v.detach(), on_cpu) for k, v in tensors.items()}
-        if staging is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        if planned is None:
+            tensors = {k: copy_into(staging, k, v.detach(), on_cpu) for k, v in tensors.items()}
+        if staging is not None and torch.cuda.is_initialized() and torch.cuda.is_available():
             torch.cuda.synchronize()  # the copies into pinned memory ran asynchronously; the writer reads them
-        meta = copy_state(meta)
+        # a planned skeleton is a copy already (`snapshot_plan._split_copy`)
+        meta = {k: v if planned is not None and k == "tensor_skeleton" else copy_state(v) for k, v in meta.items()}
         rank_state = {k: v if k in _NEVER_MUTATED else copy_state(v) for k, v in rank_state.items()}
     strategy = trainer.strategy
     group = getattr(strategy, "checkpoint_group", None)

@@ -16,6 +16,7 @@ is resumed through those instead.
 
 from __future__ import annotations
 
+import _random
 import array
 import contextlib
 import ctypes
@@ -36,13 +37,11 @@ def capture_rng() -> dict[str, Any]:
     Python's Mersenne Twister state (625 ints) is kept as one int64 tensor: a checkpoint then pickles
     one object for it, not 625, which makes the per-process file several times cheaper to write.
     """
-    version, internal, gauss = random.getstate()
-    python = (version, _python_words(internal), gauss)
-    state: dict[str, Any] = {"python": python, "torch": torch.get_rng_state()}
+    state: dict[str, Any] = {"python": _python_state(), "torch": torch.get_rng_state()}
     np = sys.modules.get("numpy")
     if np is not None:
         state["numpy"] = _numpy_state(np)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized() and torch.cuda.is_available():  # the first alone is cheap: most hosts stop there
         # This process's device only: each rank records its own stream (in its own part of the checkpoint),
         # so the checkpoint does not depend on how many devices the host shows.
         state["cuda_device"] = torch.cuda.get_rng_state(torch.cuda.current_device())
@@ -53,6 +52,55 @@ def capture_rng() -> dict[str, Any]:
 #: `random` captures the same words snapshot after snapshot: comparing them with the last ones costs about a tenth
 #: of converting them again (625 ints). The tensor is shared, as captured states are: nobody changes one in place.
 _last_python_words: list[Any] = [None, None]
+
+
+#: The bytes of CPython's Mersenne Twister state in a `random.Random` (the C part of the object, right after its header:
+#: the position as a C int, then 624 32-bit key words).
+_MT_BYTES = ctypes.sizeof(ctypes.c_int) + 624 * ctypes.sizeof(ctypes.c_uint32)
+
+#: The Python stream as `_python_state` last recorded it: the raw bytes and cached Gaussian it was read with (None:
+#: do not reuse it), and the record.
+_last_python_state: list[Any] = [None, None, None]
+
+#: The generator classes whose raw state was checked against ``getstate()``, and whether it matched.
+_raw_layout: dict[type, bool] = {}
+
+
+def _python_state() -> Any:
+    """The global `random` stream as ``random.getstate()`` gives it, with the words as a tensor (`_python_words`).
+
+    ``getstate()`` builds 625 ints (about 9 us). When the generator's raw state (read as bytes where CPython keeps
+    it, `_raw_python_state`) and its cached Gaussian are those of the last record, nothing was drawn since: the last
+    record is returned (shared, as captured states are; nobody changes one in place)."""
+    generator: Any = getattr(random.getstate, "__self__", None)  # the module's functions are one instance's methods
+    raw, gauss = _raw_python_state(generator), getattr(generator, "gauss_next", None)
+    last_raw, last_gauss, last = _last_python_state
+    if raw is not None and raw == last_raw and (gauss is last_gauss or gauss == last_gauss):
+        return last
+    version, internal, gauss = random.getstate()
+    state = (version, _python_words(internal), gauss)
+    _last_python_state[:] = [raw, gauss, state]
+    return state
+
+
+def _raw_python_state(generator: Any) -> bytes | None:
+    """`generator`'s Mersenne Twister state as bytes (about 0.3 us), or None where that layout is not CPython's: the
+    first read for a generator class is compared with ``getstate()``, and a class whose bytes differ is never read."""
+    kind = type(generator)
+    known = _raw_layout.get(kind)
+    if known is False:
+        return None
+    header = object.__basicsize__
+    if kind.__basicsize__ < header + _MT_BYTES or not isinstance(generator, _random.Random):
+        _raw_layout[kind] = False
+        return None
+    raw = ctypes.string_at(id(generator) + header, _MT_BYTES)
+    if known is None:
+        index = int.from_bytes(raw[:4], sys.byteorder, signed=True)
+        words = array.array("I", raw[4:])
+        _raw_layout[kind] = words.itemsize == 4 and (*words, index) == _random.Random.getstate(generator)
+        return raw if _raw_layout[kind] else None
+    return raw
 
 
 def _python_words(internal: tuple[int, ...]) -> torch.Tensor:

@@ -137,16 +137,40 @@ def optimizer_state_by_name(module: nn.Module, optimizer: Optimizer) -> dict[str
     (use DCP) when a parameter is not a plain tensor, a name holds a wrapper's prefix, or the optimizer
     holds a parameter the module does not.
     """
+    names = parameter_names(module)
+    return None if names is None else optimizer_state_named(optimizer, names)
+
+
+def parameter_names(module: nn.Module) -> dict[Tensor, str] | None:
+    """Each parameter of `module` and its name, as `optimizer_state_by_name` names them; None when a parameter is
+    not a plain tensor or a name holds a wrapper's prefix (DCP names those)."""
     names: dict[Tensor, str] = {}
     for name, param in module.named_parameters():
         if type(param) not in (nn.Parameter, Tensor) or any(part in name for part in _WRAPPER_NAME_PARTS):
             return None
         names[param] = name
+    return names
+
+
+def optimizer_state_named(optimizer: Optimizer, names: dict[Tensor, str]) -> dict[str, Any] | None:
+    """`optimizer_state_by_name` with the parameters' `names` (`parameter_names`) given: None when the optimizer
+    holds a parameter `names` lacks."""
+    index_name = optimizer_index_names(optimizer, names)
+    return None if index_name is None else optimizer_state_indexed(optimizer, index_name)
+
+
+def optimizer_index_names(optimizer: Optimizer, names: dict[Tensor, str]) -> dict[int, str] | None:
+    """Each of the optimizer's parameter indices (as ``optimizer.state_dict()`` numbers them) and its name in
+    `names`; None when a parameter has none."""
     params = [param for group in optimizer.param_groups for param in group["params"]]
     if any(param not in names for param in params):
         return None
+    return {index: names[param] for index, param in enumerate(params)}
+
+
+def optimizer_state_indexed(optimizer: Optimizer, index_name: dict[int, str]) -> dict[str, Any]:
+    """`optimizer_state_by_name` with the parameters' names by index (`optimizer_index_names`) given."""
     saved = optimizer.state_dict()
-    index_name = {index: names[param] for index, param in enumerate(params)}
     return {
         "state": {index_name[index]: value for index, value in saved["state"].items()},
         "param_groups": [

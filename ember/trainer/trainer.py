@@ -25,6 +25,7 @@ from ember.callbacks.callback_list import CallbackList
 from ember.callbacks.model_checkpoint import ModelCheckpoint
 from ember.checkpoint.manager import CheckpointManager, info
 from ember.checkpoint.registry import TRAINING_ENTRIES, Snapshot, gather
+from ember.checkpoint.snapshot_plan import SnapshotPlan
 from ember.checkpoint.store import is_url, redact
 from ember.loggers.logger import Logger
 from ember.modules.datamodule import DataModule
@@ -531,17 +532,22 @@ class Trainer:
             self.checkpoints.flush(self, module)
         return Path(path)
 
-    def snapshot(self, staging: dict[str, Tensor] | None = None) -> Snapshot:
+    def snapshot(self, staging: dict[str, Tensor] | SnapshotPlan | None = None) -> Snapshot:
         """An in-memory copy, in host memory, of the training state an exact resume restores (model, optimizers,
         schedulers, precision, progress, metrics, datamodule, random streams, data position), taken now: call it at
         a step boundary (``on_train_batch_end`` of the batch that ended a step). `staging`: tensors of an earlier
-        snapshot to copy into (and to keep the new ones in), so a rolling snapshot allocates once. A `rewind` goes
-        back to it.
+        snapshot to copy into (and to keep the new ones in), so a rolling snapshot allocates once; or a
+        `ember.checkpoint.snapshot_plan.SnapshotPlan`, which keeps its buffers and what it found of the model's
+        state from one snapshot to the next (the same snapshot, for less host work). A `rewind` goes back to it.
         """
         loop, module = self._fit_loop, self.run_state.module
         if loop is None or not loop.running or module is None:
             raise RuntimeError("trainer.snapshot() works while a fit trains: call it from a training hook")
-        return gather(self, module, weights_only=False, copy=True, staging=staging, on_cpu=True, only=TRAINING_ENTRIES)
+        plan = staging if isinstance(staging, SnapshotPlan) else None
+        buffers = staging.staging if isinstance(staging, SnapshotPlan) else staging
+        return gather(
+            self, module, weights_only=False, copy=True, staging=buffers, on_cpu=True, only=TRAINING_ENTRIES, plan=plan
+        )
 
     def rewind(
         self,

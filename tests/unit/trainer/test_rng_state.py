@@ -136,6 +136,40 @@ def test_the_python_stream_is_captured_afresh_after_a_draw() -> None:
         random.setstate(state)
 
 
+def test_the_python_record_is_reused_only_while_nothing_was_drawn() -> None:
+    state = random.getstate()
+    try:
+        random.seed(6)
+        first = capture_rng()["python"]
+        assert capture_rng()["python"] is first  # its raw state unchanged: the same record, getstate() not called
+        random.gauss(0.0, 1.0)  # draws two numbers from the key, keeps the second Gaussian
+        with_gauss = capture_rng()["python"]
+        assert with_gauss is not first and with_gauss[2] is not None
+        random.gauss(0.0, 1.0)  # returns the kept Gaussian: the key words stay as they were
+        used_up = capture_rng()["python"]
+        assert used_up[2] is None and used_up[1] is with_gauss[1]
+        assert (used_up[0], tuple(used_up[1].tolist()), used_up[2]) == random.getstate()
+        random.seed(6)
+        assert capture_rng()["python"][1].tolist() == first[1].tolist()
+    finally:
+        random.setstate(state)
+
+
+def test_the_raw_python_state_is_read_only_where_its_layout_was_checked() -> None:
+    from ember.checkpoint.resume import _raw_python_state
+
+    generator = random.Random(7)
+    raw = _raw_python_state(generator)
+    assert raw is not None  # CPython: the bytes after the header are the generator's state
+    generator.random()
+    assert _raw_python_state(generator) != raw
+
+    class NotMersenne:
+        gauss_next = None
+
+    assert _raw_python_state(NotMersenne()) is None
+
+
 def numpy_now() -> tuple[object, ...]:
     """NumPy's legacy global stream as `capture_rng` records it, read the slow way."""
     import numpy as np
