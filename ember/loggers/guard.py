@@ -299,7 +299,9 @@ class Channel:
                 call.done.set()
             return
         bisect.insort(self._kept, call)
-        if self.unsent_path is not None and self._file_error is None:
+        # After the run's end the file already holds every call still missing, an abandoned one in flight included
+        # (`close`): one that fails later is not appended again (the replay may have sent and moved the file since).
+        if self.unsent_path is not None and self._file_error is None and not self._closing:
             try:
                 line = unsent.record(call.seq, call.name, call.args)
                 unsent.append(self.unsent_path, unsent.header(self.logger), line)

@@ -119,7 +119,11 @@ def test_a_hanging_logger_is_abandoned_within_the_bound_and_the_end_says_how_to_
     assert "did not receive 2 metric rows (steps 1-2), the run's end (a log_metrics call took over 0.2 s)" in lines[0]
     path = tmp_path / "unsent" / "0-Flaky.jsonl"
     assert lines[0].endswith(f"send them with: python -m ember.loggers.replay {path}")
-    logger.release.set()  # the abandoned call returns (and fails): nothing is lost from the file
+    before = path.read_bytes()
+    failures = guard.channels[0].failures
+    logger.release.set()  # the abandoned call returns (and fails) after the run's end
+    wait_for(lambda: guard.channels[0].failures > failures)
+    assert path.read_bytes() == before  # already in the file the end wrote: not appended again (nor later, below)
     head, kept = unsent.read(path)
     assert head["kwargs"] == {"save_dir": str(tmp_path / "out")}
     assert [(k["call"], k.get("step")) for k in kept] == [("log_metrics", 1), ("log_metrics", 2), ("finalize", None)]
