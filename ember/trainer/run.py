@@ -262,10 +262,10 @@ def finish(
         if datamodule is not None:
             datamodule.teardown(stage.name)
         trainer.strategy.teardown()
-        trainer.run_state.stage = None
-    finally:
         if stage is stages.FIT and trainer.fit_loop is not None:  # (an evaluation's loaders are its own locals)
             release_workers([trainer.fit_loop.train_loader, *trainer.fit_loop.val_loaders])
+        trainer.run_state.stage = None
+    finally:
         trainer.checkpoints.release_run()
         sync, trainer.run_state.log_sync = trainer.run_state.log_sync, None
         if sync is not None:  # the last copy of the logs, status.json's end included (also on preemption)
