@@ -12,8 +12,7 @@ trainer starts (a misspelt hook would otherwise never run).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -203,22 +202,6 @@ class Callback:
 
     def on_exception(self, trainer: Trainer, module: TrainingModule, exception: BaseException) -> None:
         """Called when fit/validate/test/predict raises, before `teardown`; the exception is re-raised."""
-
-
-_Hook = TypeVar("_Hook", bound=Callable[..., None])
-
-
-def reads_outputs_undetached(hook: _Hook) -> _Hook:
-    """Mark an ``on_train_batch_end`` that may receive `outputs` as ``training_step`` returned them, loss not
-    detached (internal: saves the per-batch ``detach()`` of a guard that reads the loss every step).
-
-    The loop passes them so only when this hook is the batch end's one implementation and the step is
-    `ember.trainer.optimization.plain_step` (ember's own ``loss.backward()``, which frees the graph's saved tensors);
-    otherwise the hook gets the detached outputs as every hook does. A marked hook must accept both forms, build
-    nothing on the loss's graph (read its values with autograd off, or from a tensor made without it) and keep
-    the tensors it holds only briefly: they keep their graph's (emptied) nodes alive."""
-    hook.ember_undetached_outputs = True  # type: ignore[attr-defined]
-    return hook
 
 
 #: Every hook name, in the order they are declared above. The single source for

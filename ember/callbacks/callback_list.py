@@ -163,15 +163,6 @@ class CallbackList:
         method: Callable[..., None] = getattr(self, name)
         return method if fns else None
 
-    def reads_undetached(self, name: str) -> bool:
-        """Whether hook `name` has one implementation, marked `reads_outputs_undetached` (not wrapped by an observer
-        since): the loop may then pass it outputs whose loss is not detached."""
-        fns = self._table[name]
-        if len(fns) != 1:
-            return False
-        fn = fns[0].func if isinstance(fns[0], functools.partial) else fns[0]
-        return getattr(fn, "ember_undetached_outputs", False) is True
-
     def _call(self, name: str, *args: Any) -> None:
         for fn in self._table[name]:
             fn(*args)

@@ -22,14 +22,13 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.utils.data import IterableDataset
 
-from ember.callbacks.callback import Callback, reads_outputs_undetached
+from ember.callbacks.callback import Callback
 from ember.checkpoint.snapshot_plan import SnapshotPlan
 
 if TYPE_CHECKING:
@@ -162,13 +161,11 @@ class SpikeGuard(Callback):
                 "dataset state_dict()/load_state_dict() or use torchdata's StatefulDataLoader (docs/checkpoints.md)"
             )
 
-    @reads_outputs_undetached  # the loss is only stacked, and read at the next check (`_stacked`)
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Keep this batch's loss; at every ``check_every_n_steps``-th step boundary, check the losses kept."""
-        kind = type(outputs)
-        loss = outputs if kind is Tensor else outputs.get("loss") if kind is dict else _loss_in(outputs)
+        loss = outputs.get("loss") if type(outputs) is dict else None
         progress = self._progress
         step, steps = progress.global_step, self._steps
         if loss is not None:
@@ -215,7 +212,7 @@ class SpikeGuard(Callback):
         losses, steps = _stacked(self._losses), self._steps
         self._losses.clear()  # the lists are refilled, never reallocated
         if trainer.world_size > 1:
-            losses = trainer.strategy.reduce(losses.detach().float(), "mean")
+            losses = trainer.strategy.reduce(losses.float(), "mean")
         values: list[float] = losses.tolist()  # the check's one host sync
         history = self._history
         # Clean without the median when every value is finite (their sum is: a NaN or an inf would make it NaN or
@@ -357,11 +354,6 @@ def _global_samples(trainer: Trainer, samples: list[list[int] | None]) -> list[i
     return found
 
 
-def _loss_in(outputs: Any) -> Any:
-    """The loss of a step's outputs other than a tensor or a dict (a mapping's ``"loss"``; else None)."""
-    return outputs.get("loss") if isinstance(outputs, Mapping) else None
-
-
 def _check_loss(loss: Any) -> None:
     if not isinstance(loss, Tensor) or loss.ndim:
         raise ValueError(
@@ -372,8 +364,7 @@ def _check_loss(loss: Any) -> None:
 
 def _stacked(losses: list[Any]) -> Tensor:
     """The kept losses as one 1-D tensor; a loss that is not one scalar tensor (only a check's first loss is checked
-    when it is kept) is refused with the same message. Losses kept undetached (`reads_outputs_undetached`) give a
-    tensor with a graph node over theirs, dropped with it after the check's read."""
+    when it is kept) is refused with the same message."""
     try:
         stacked = torch.stack(losses)
     except (TypeError, RuntimeError):

@@ -416,10 +416,7 @@ class FitLoop:
         to_device = batch_transfer(trainer, self.module)
         batch_start = hooks.bound("on_train_batch_start")
         batch_end = hooks.bound("on_train_batch_end")
-        step, plain = self.resolve_step()
-        # The batch end's outputs, detached; as returned to a lone hook that reads them so (and keeps no graph
-        # alive: the plain step's backward frees it), which saves a `detach()` per batch
-        undetached = plain and batch_end is not None and hooks.reads_undetached("on_train_batch_end")
+        step = self.resolve_step()
         log_every, log, step_metrics = trainer.log_every_n_steps, reporter.log_metrics, reporter.step_metrics
         see = collector.see
         epoch_schedulers = self.steps_epoch_schedulers_in_batches()  # as in Lightning: before on_train_batch_end
@@ -442,7 +439,7 @@ class FitLoop:
             if (progress.global_step != steps_before or (manual and ends_window)) and counts() % log_every == 0:
                 log(step_metrics())
             if batch_end is not None:
-                batch_end(output if undetached else detached(output), batch, batch_idx)
+                batch_end(detached(output), batch, batch_idx)
             if validate_after is not None and plan.validates_after(batch_idx):
                 validate_after(batch_idx)
             if ends_window and self.window_ended(batch_idx):
@@ -456,19 +453,17 @@ class FitLoop:
         ``on_train_epoch_end``."""
         return self.module.automatic_optimization and math.isfinite(self.plan.num_batches)
 
-    def resolve_step(self) -> tuple[StepFn, bool]:
-        """The function that trains one batch this epoch (see `run_batches`), and whether it is the plain step."""
+    def resolve_step(self) -> StepFn:
+        """The function that trains one batch this epoch (see `run_batches`)."""
         plain = plain_step(self)
         if plain is not None:
-            return plain, True
+            return plain
         if self.steps_with_closure:
-            return (lambda batch, batch_idx: closure_training_batch(self, batch, batch_idx)), False
+            return lambda batch, batch_idx: closure_training_batch(self, batch, batch_idx)
         plan = self.plan
-        return (
-            lambda batch, batch_idx: run_training_batch(
-                self, batch, batch_idx, plan.window_size(batch_idx), plan.ends_window(batch_idx)
-            )
-        ), False
+        return lambda batch, batch_idx: run_training_batch(
+            self, batch, batch_idx, plan.window_size(batch_idx), plan.ends_window(batch_idx)
+        )
 
     def window_ended(self, batch_idx: int) -> bool:
         """A step boundary after `batch_idx`: apply a rewind asked for, write pending checkpoints, act on preemption;
