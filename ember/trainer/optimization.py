@@ -110,7 +110,9 @@ def plain_step(loop: FitLoop) -> Callable[[Any, int], Any] | None:
 
     def step(batch: Any, batch_idx: int) -> Any:
         output = training_step(batch, batch_idx)
-        loss = output if type(output) is Tensor else loss_of(output)
+        # a 0-d tensor as it is; anything else through `loss_of`, whose errors are the general step's (backward
+        # alone would train on a one-element loss that the general step refuses)
+        loss = output if type(output) is Tensor and not output.ndim else loss_of(output)
         if loss is not None:
             try:
                 loss.backward()

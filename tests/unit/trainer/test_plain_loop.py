@@ -241,6 +241,10 @@ class BadLoss(Net):
         per_sample = nn.functional.cross_entropy(self.model(x), y, reduction="none")
         if self.kind == "not a scalar":
             return per_sample
+        if self.kind == "one element":  # backward accepts it (one element), the loop must not
+            return per_sample.mean().reshape(1)
+        if self.kind == "one element, late":
+            return per_sample.mean().reshape(1, 1) if batch_idx == 3 else per_sample.mean()
         if self.kind == "detached":
             return per_sample.mean().detach()
         return {"logits": per_sample}
@@ -250,13 +254,19 @@ class BadLoss(Net):
     ("kind", "error", "message"),
     [
         ("not a scalar", ValueError, "must be a scalar"),
+        ("one element", ValueError, r"a loss of shape \(1,\); it must be a scalar"),
+        ("one element, late", ValueError, r"a loss of shape \(1, 1\); it must be a scalar"),
         ("detached", RuntimeError, "does not require grad"),
         ("no loss in the dict", TypeError, "without a 'loss' tensor"),
     ],
 )
-def test_a_bad_loss_gets_the_same_clear_error_on_the_plain_loop(
-    paths: list[str], kind: str, error: type[Exception], message: str
+@pytest.mark.parametrize("path", ["plain", "general"])
+def test_a_bad_loss_gets_the_same_clear_error_on_both_loops(
+    paths: list[str], kind: str, error: type[Exception], message: str, path: str
 ) -> None:
+    module = BadLoss(kind)
+    options = {} if path == "plain" else {"gradient_clip_val": 1.0}
     with pytest.raises(error, match=message):
-        Trainer(**_minimal()).fit(BadLoss(kind), _loader())
-    assert paths == ["plain"]
+        Trainer(**_minimal(**options)).fit(module, _loader())
+    assert paths == [path]
+    assert module.trainer.global_step == (3 if kind == "one element, late" else 0)  # nothing trained on it
