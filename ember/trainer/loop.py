@@ -296,6 +296,17 @@ class FitLoop:
         self.distribute(*fit_loaders(self.trainer, self.module, train, val, datamodule))
 
     # --- stop conditions ---------------------------------------------------------------------
+    def data_ended_the_fit(self) -> bool:
+        """Whether the batches just ended because data of unknown length ran out in the fit's last epoch
+        (``max_epochs``), with no stop at that boundary (a stop calls ``on_train_stop`` there already)."""
+        max_epochs = self.trainer.max_epochs
+        return (
+            not math.isfinite(self.plan.num_batches)
+            and max_epochs is not None
+            and self.state.epoch + 1 >= max_epochs
+            and not self.should_stop_in_epoch()
+        )
+
     def should_stop_in_epoch(self) -> bool:
         state = self.state
         return (
@@ -388,6 +399,11 @@ class FitLoop:
             finish_epoch(iterator, self.train_loader)
         if progress.window_has_grads:  # a loader without a length ended inside an accumulation window
             optimizer_step(self, self.optimizers[0])
+        if self.data_ended_the_fit():  # its last step boundary, known only now: as a stop there, before validation
+            trainer.hooks.on_train_stop()
+            if self.rewinding is not None:  # back to a snapshot: the epoch reopens there (`run`)
+                self.apply_rewind()
+                return
         last = progress.batch_idx - 1
         if validates and last >= 0 and progress.validated_after != last:  # stopped early: evaluate the final weights
             self.validate_after(last)

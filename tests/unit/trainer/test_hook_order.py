@@ -293,6 +293,32 @@ def test_a_stop_inside_the_epoch_calls_on_train_stop_after_its_batch_end() -> No
     assert trainer.global_step == 2
 
 
+class _Unsized(torch.utils.data.IterableDataset):
+    """Two batches of two samples, of unknown length."""
+
+    def __iter__(self) -> Any:
+        return iter([(torch.randn(2),) for _ in range(4)])
+
+
+def test_data_of_unknown_length_running_out_in_the_last_epoch_calls_on_train_stop_there() -> None:
+    """The fit's last step boundary is known only when the data runs out: `on_train_stop` runs there, after the
+    last batch end and before the epoch's end; not in earlier epochs, whose ends are no stop."""
+    calls: Calls = []
+    trainer = _trainer(calls, max_epochs=2)
+    trainer.fit(RecordingModule(calls), DataLoader(_Unsized(), batch_size=2))
+    batch = (
+        "on_train_batch_start", "on_before_backward", "on_after_backward",
+        "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end",
+    )  # fmt: skip
+    assert calls == both(
+        "setup", "on_fit_start", "on_train_start",
+        "on_train_epoch_start", *batch, *batch, "on_train_epoch_end",
+        "on_train_epoch_start", *batch, *batch, "on_train_stop", "on_train_epoch_end",
+        "on_train_end", "on_fit_end", "teardown",
+    )  # fmt: skip
+    assert trainer.global_step == 4
+
+
 # --- learning-rate schedulers -----------------------------------------------------------------
 class _RecordingLR(torch.optim.lr_scheduler.LambdaLR):
     def __init__(self, optimizer: torch.optim.Optimizer, calls: Calls, interval: str) -> None:
