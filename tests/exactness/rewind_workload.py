@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler
 
 import ember
 
@@ -40,6 +40,26 @@ class PoisonData(Dataset[tuple[Tensor, Tensor]]):
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         return self.x[index], self.y[index]
+
+
+class ResumableStream(IterableDataset[tuple[Tensor, Tensor]]):
+    """`PoisonData` as an iterable of unknown length that saves and restores its position (state_dict /
+    load_state_dict), so a rewind can go back in it."""
+
+    def __init__(self, data: PoisonData) -> None:
+        self.data, self.position = data, 0
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        while self.position < len(self.data):
+            self.position += 1
+            yield self.data[self.position - 1]
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
 
 
 class Without:

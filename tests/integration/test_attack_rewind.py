@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exactness"))
-from rewind_workload import PoisonData, Regressor, batch_ids, loader
+from rewind_workload import PoisonData, Regressor, ResumableStream, batch_ids, loader
 
 import ember
 from ember.callbacks import SpikeGuard
@@ -113,26 +113,6 @@ def test_iterable_data_that_cannot_go_back_is_refused_before_training(tmp_path: 
         fit.fit(module, DataLoader(Stream(PoisonData(N, frozenset(range(36, 40)))), batch_size=BATCH))
     assert fit.global_step == 0
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
-
-
-class ResumableStream(Stream):
-    """An iterable dataset that saves and restores its position (state_dict / load_state_dict)."""
-
-    def __init__(self, data: PoisonData) -> None:
-        super().__init__(data)
-        self.position = 0
-
-    def __iter__(self) -> Iterator[Any]:
-        while self.position < len(self.data):
-            self.position += 1
-            yield self.data[self.position - 1]
-        self.position = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.position = state["position"]
 
 
 class FirstInputs(ember.Callback):

@@ -8,36 +8,16 @@ there what it has not.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exactness"))
-from rewind_workload import PoisonData, Regressor
+from rewind_workload import PoisonData, Regressor, ResumableStream
 
 import ember
 from ember.callbacks import SpikeGuard
-
-
-class Stream(IterableDataset):
-    """An iterable of unknown length that can go back to a position (state_dict/load_state_dict)."""
-
-    def __init__(self, data: PoisonData) -> None:
-        self.data, self.pos = data, 0
-
-    def __iter__(self) -> Iterator[Any]:
-        while self.pos < len(self.data):
-            self.pos += 1
-            yield self.data[self.pos - 1]
-        self.pos = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.pos = state["pos"]
 
 
 def fit(root: Path, data: Any, guard: SpikeGuard) -> ember.Trainer:
@@ -52,7 +32,7 @@ def fit(root: Path, data: Any, guard: SpikeGuard) -> ember.Trainer:
 def test_a_spike_at_a_checking_step_of_an_iterable_of_unknown_length_is_rewound(tmp_path: Path) -> None:
     """The control: the same stream, the poison in batch 7 (step 8, a checking step), is rewound."""
     guard = SpikeGuard(factor=50, window=4, warmup_steps=2, check_every_n_steps=4, snapshot_every_n_steps=4)
-    trainer = fit(tmp_path, DataLoader(Stream(PoisonData(40, frozenset({30}))), batch_size=4), guard)
+    trainer = fit(tmp_path, DataLoader(ResumableStream(PoisonData(40, frozenset({30}))), batch_size=4), guard)
     assert [(r["spike_step"], r["restored_step"]) for r in guard.rewinds] == [(8, 0)]  # the first snapshot: step 0
     assert [b for _, b in guard.rewinds[0]["skipped_batches"]] == list(range(8))
     assert trainer.global_step == 2  # the 2 batches after the 8 left out
@@ -62,7 +42,7 @@ def test_a_spike_in_the_last_steps_of_an_iterable_of_unknown_length_is_rewound(t
     """Batch 9 of 10 (step 10, after the last check at 8) is poisoned: the data's end in the fit's last epoch is its
     last step boundary, where the guard checks what it has not (`on_train_stop`) and rewinds."""
     guard = SpikeGuard(factor=50, window=4, warmup_steps=2, check_every_n_steps=4, snapshot_every_n_steps=4)
-    trainer = fit(tmp_path, DataLoader(Stream(PoisonData(40, frozenset({38}))), batch_size=4), guard)
+    trainer = fit(tmp_path, DataLoader(ResumableStream(PoisonData(40, frozenset({38}))), batch_size=4), guard)
     assert [(r["spike_step"], r["restored_step"]) for r in guard.rewinds] == [(10, 8)]
     assert [b for _, b in guard.rewinds[0]["skipped_batches"]] == [8, 9]
     assert trainer.global_step == 8 and guard._losses == []  # nothing left after the skipped batches
@@ -74,7 +54,7 @@ def test_a_spike_in_the_last_steps_of_an_earlier_epoch_is_rewound_at_the_next_ep
     """The same poison in both epochs: epoch 0's (step 10) is checked at epoch 1's first check and rewound across
     the epoch's end; epoch 1's (step 18, after that rewind) when the data runs out."""
     guard = SpikeGuard(factor=50, window=4, warmup_steps=2, check_every_n_steps=4, snapshot_every_n_steps=4)
-    data = DataLoader(Stream(PoisonData(40, frozenset({38}))), batch_size=4)
+    data = DataLoader(ResumableStream(PoisonData(40, frozenset({38}))), batch_size=4)
     trainer = ember.Trainer(
         default_root_dir=str(tmp_path), callbacks=[guard], logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, max_epochs=2,
