@@ -240,14 +240,19 @@ def test_killed_run_resumes_with_resume_last_and_ends_like_an_uninterrupted_run(
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+        run_dir = tmp_path / "runs" / "net" / "version_0"
+        pointer = run_dir / "checkpoints" / "last"
+        # The epoch's checkpoint is made durable (fsync, rename, `last`) on a background thread while the next
+        # epoch runs, so the process is killed once `last` names epoch 1's checkpoint, during the hang.
         deadline = time.monotonic() + 60
-        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if marker.exists() and pointer.exists() and pointer.read_text().strip() == "epoch=1-step=12":
+                break
             time.sleep(0.05)
         proc.kill()
         proc.wait()
     assert marker.read_text() == "12", (tmp_path / "killed.log").read_text()  # killed at the start of epoch 2
-    run_dir = tmp_path / "runs" / "net" / "version_0"
-    assert (run_dir / "checkpoints" / "last").exists()
+    assert pointer.read_text().strip() == "epoch=1-step=12", (tmp_path / "killed.log").read_text()
 
     out = ember("fit", "-c", config, "--resume", "last", cwd=tmp_path, pythonpath=tmp_path / "lib")
     assert "(4 epochs, 24 steps)" in out.stdout and "version_0" in out.stdout.splitlines()[-1]

@@ -136,8 +136,9 @@ def ember(project: Path, site: Path, *args: str, expect: int = 0) -> subprocess.
     return done
 
 
-def fit_until_ctrl_c(project: Path, site: Path, *args: str) -> tuple[int, str]:
-    """``ember fit`` in its own process group, sent SIGINT (as a terminal's Ctrl-C) once ``last`` exists."""
+def fit_until_ctrl_c(project: Path, site: Path, *args: str) -> tuple[int, str, str]:
+    """``ember fit`` in its own process group, sent SIGINT (as a terminal's Ctrl-C) once ``last`` exists; returns
+    its exit code, stderr and stdout."""
     command = [sys.executable, "-m", "ember", "fit", *args]
     proc = subprocess.Popen(command, cwd=project, env=env_with(site), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
@@ -148,11 +149,11 @@ def fit_until_ctrl_c(project: Path, site: Path, *args: str) -> tuple[int, str]:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.01)
         os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    return proc.returncode, err
+    return proc.returncode, err, out
 
 
 @pytest.mark.slow  # six ember commands, five of them forked (tests/forked_cli.py)
@@ -173,8 +174,8 @@ def test_the_walkthrough_of_your_data(tmp_path: Path) -> None:
     config = ["-c", "configs/my_data.yaml"]
 
     # 1. fit, stopped with Ctrl-C after the first checkpoint
-    code, err = fit_until_ctrl_c(project, site, *config, "trainer.max_epochs=1000")
-    assert code == 130, err
+    code, err, out = fit_until_ctrl_c(project, site, *config, "trainer.max_epochs=1000")
+    assert code == 130, f"{err}\n{out}\nSIGINT: {signal.getsignal(signal.SIGINT)}"
     stopped_at = match("interrupted", err.splitlines()[-1])
     assert "Traceback" not in err
     epochs = int(stopped_at.group(1)) + 3  # resume for 2 more epochs than the checkpoint's (numbered from 0)
