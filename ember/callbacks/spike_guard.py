@@ -49,7 +49,9 @@ class SpikeGuard(Callback):
     - ``window``, ``warmup_steps``: losses the median is taken over; steps checked before spikes by ``factor`` count
       (default: ``window``). A non-finite loss is a spike from the first step.
     - ``check_every_n_steps``: how often the losses are read on the host (the detector's lag, in steps, is at most
-      one less than this).
+      one less than this). Each check is one host sync (and, with several processes, one all-reduce). Past the
+      warm-up the lag only adds to the steps trained again after a rewind, which goes back to the newest snapshot
+      before the spike whatever the lag (docs/rewind.md).
     - ``snapshot_every_n_steps``: how often the in-memory snapshot is renewed (a multiple of
       ``check_every_n_steps``: a snapshot is taken right after a clean check).
     - ``skip_after``: optimizer steps' worth of batches left out after the spike's own (PaLM left out 200-500
@@ -71,7 +73,7 @@ class SpikeGuard(Callback):
         window: int = 64,
         *,
         warmup_steps: int | None = None,
-        check_every_n_steps: int = 8,
+        check_every_n_steps: int = 16,
         snapshot_every_n_steps: int = 256,
         skip_after: int = 0,
         lr_scale: float = 1.0,
