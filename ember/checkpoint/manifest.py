@@ -19,11 +19,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import re
 import shutil
 import warnings
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: folders of killed processes are not swept
+    fcntl = None  # type: ignore[assignment]
 
 from ember.checkpoint.format import DAMAGED, LAST_FILE, CheckpointError
 from ember.checkpoint.store import basename, join, redact
@@ -289,22 +295,27 @@ def fetch(url: str, fs: Any, remote: str, cache: Path) -> Path:
     return local
 
 
-_fetched: list[Path] = []
+#: The folders this process downloaded checkpoints into, with the descriptor of each one's held `_HELD` file.
+_fetched: list[tuple[Path, int]] = []
+#: A fetched checkpoint's folder in the temporary directory is ``ember-ckpt-<random>``, and holds `_HELD`.
+_PREFIX = "ember-ckpt-"
+#: Locked (``flock``) by the process that fetched into the folder for as long as it lives: the kernel lets go of
+#: a dead process's locks, so a folder whose `_HELD` can be locked was left by a process killed before its exit
+#: hook removed it.
+_HELD = ".held"
 
 
 def fetch_checkpoint(url: str, what: str = "ckpt_path") -> Path:
     """The checkpoint `url` names (see `fetch`), downloaded into a temporary folder of this process that is
-    removed at exit; returns its local directory."""
-    import atexit
+    removed at exit; returns its local directory. The folders of processes that were killed before they could
+    remove theirs (SIGKILL, an OOM kill) are removed first."""
     import tempfile
 
     from ember.checkpoint.store import open_store
 
     fs, remote = open_store(url, what)
-    cache = Path(tempfile.mkdtemp(prefix="ember-ckpt-"))
-    if not _fetched:
-        atexit.register(_remove_fetched)
-    _fetched.append(cache)
+    _remove_abandoned(Path(tempfile.gettempdir()))
+    cache = _held_folder(Path(tempfile.mkdtemp(prefix=_PREFIX)))
     try:
         return fetch(url, fs, remote, cache)
     except CheckpointError:
@@ -313,6 +324,44 @@ def fetch_checkpoint(url: str, what: str = "ckpt_path") -> Path:
         raise CheckpointError(f"{what}={redact(url)}: cannot read it ({type(exc).__name__}: {exc})") from None
 
 
+def _held_folder(cache: Path) -> Path:
+    """Hold `cache` for this process (its `_HELD` file locked until the process ends); removed at exit."""
+    import atexit
+
+    if not _fetched:
+        atexit.register(_remove_fetched)
+    staging = cache / f"{_HELD}.tmp"
+    descriptor = os.open(staging, os.O_RDWR | os.O_CREAT, 0o600)
+    _fetched.append((cache, descriptor))
+    if fcntl is not None:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+    os.rename(staging, cache / _HELD)  # in view only once locked: a sweep never takes a lock about to be held
+    return cache
+
+
+def _remove_abandoned(root: Path) -> None:
+    """Remove the fetched-checkpoint folders in `root` whose process is gone. A folder without `_HELD` (being set
+    up) or that this process may not open (another user's) is left alone."""
+    if fcntl is None:
+        return
+    for folder in root.glob(f"{_PREFIX}*"):
+        try:
+            descriptor = os.open(folder / _HELD, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its process is alive
+            os.close(descriptor)
+            continue
+        try:
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            os.close(descriptor)
+
+
 def _remove_fetched() -> None:
-    for cache in _fetched:
+    for cache, descriptor in _fetched:
         shutil.rmtree(cache, ignore_errors=True)
+        os.close(descriptor)
+    _fetched.clear()
