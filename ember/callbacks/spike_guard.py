@@ -3,9 +3,10 @@ offending batches, and go on, on the record (docs/rewind.md).
 
 The detector reads every training batch's loss, but never on the host per step: the losses (detached tensors)
 are kept in a list, and every ``check_every_n_steps`` optimizer steps (and at an epoch's last step) they are
-checked together, with one host sync. A check flags a batch whose loss is inf or NaN, or (after
-``warmup_steps`` checked steps) above ``factor`` times the median of the ``window`` losses checked before it.
-The check therefore lags the spike by at most ``check_every_n_steps - 1`` steps. Under data parallelism the
+checked together, with one host sync. A check flags a batch whose loss is inf or NaN, or (once ``warmup_steps``
+steps before its own were checked) above ``factor`` times the median of the ``window`` losses before it. The
+losses of a check are judged in order, each as if checked alone, so the interval changes when a spike is found
+(it lags by at most ``check_every_n_steps - 1`` steps), not what is found. Under data parallelism the
 losses are averaged over the processes before the check (the loss of the global batch), so every process
 reaches the same decision from the same numbers.
 
@@ -45,7 +46,7 @@ REWINDS_FILE = "rewinds.jsonl"
 class SpikeGuard(Callback):
     """Rewinds training to its newest good snapshot when the loss spikes or is not finite (docs/rewind.md).
 
-    - ``factor``: a batch's loss above ``factor`` x the median of the last ``window`` checked losses is a spike.
+    - ``factor``: a batch's loss above ``factor`` x the median of the ``window`` losses before it is a spike.
     - ``window``, ``warmup_steps``: losses the median is taken over; steps checked before spikes by ``factor`` count
       (default: ``window``). A non-finite loss is a spike from the first step.
     - ``check_every_n_steps``: how often the losses are read on the host (the detector's lag, in steps, is at most
@@ -120,7 +121,9 @@ class SpikeGuard(Callback):
         self._checked = 0  # steps checked since the fit started
         self._snapshot: Snapshot | None = None
         self._snapshot_step = 0  # the global step it holds
-        self._snapshot_detector: tuple[list[float], int] = ([], 0)  # `_history` and `_checked` when it was taken
+        #: `_history`, `_checked` and `_lr_until` when the snapshot was taken
+        self._snapshot_detector: tuple[list[float], int, int] = ([], 0, -1)
+        self._judged = False  # whether the last check's last loss was judged (a snapshot may follow it)
         self._plan = SnapshotPlan()  # the snapshot's buffers and what it found of the model, kept between snapshots
         self._lr_until = -1  # the step at which a learning-rate scale ends (-1: none in force)
         self._last_batch: float = math.inf  # the epoch's last batch index and the fit's max_steps, read per epoch
@@ -134,7 +137,7 @@ class SpikeGuard(Callback):
             self.rewinds, self._losses, self._steps, self._checked = [], [], [], 0
             self._keep_history([])
             self._snapshot, self._snapshot_step, self._lr_until = None, 0, -1
-            self._snapshot_detector = ([], 0)
+            self._snapshot_detector, self._judged = ([], 0, -1), False
 
     def teardown(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
         """The fit is over: the snapshot plan lets go of the model and optimizers it watched (its buffers stay)."""
@@ -183,11 +186,10 @@ class SpikeGuard(Callback):
             self._lr_until = -1
         if step % self.check_every_n_steps and batch_idx != self._last_batch and step != self._max_steps:
             return  # not a checking step (the epoch's last step and max_steps are: a fit may end with them)
-        judged = self._judges()
-        spike = self._check(trainer, judged)
+        spike = self._check(trainer)
         if spike is None:
-            if judged and step % self.snapshot_every_n_steps == 0:
-                self._take_snapshot(trainer)  # only after a judged check: warm-up losses may hide a spike's damage
+            if self._judged and step % self.snapshot_every_n_steps == 0:
+                self._take_snapshot(trainer)  # only once this step's loss was judged: warm-up losses may hide damage
             return
         self._rewind(trainer, step, *spike)
 
@@ -195,50 +197,67 @@ class SpikeGuard(Callback):
         """The fit stops at this step boundary before its epoch's end (``max_time``, ``trainer.should_stop``): check
         the losses the last check did not see, so a spike in the fit's last steps is still rewound."""
         if self._steps and self._steps[-1] == trainer.global_step:
-            spike = self._check(trainer, self._judges())
+            spike = self._check(trainer)
             if spike is not None:
                 self._rewind(trainer, trainer.global_step, *spike)
 
     def _take_snapshot(self, trainer: Trainer) -> None:
         self._snapshot, self._snapshot_step = trainer.snapshot(self._plan), trainer.global_step
-        self._snapshot_detector = (list(self._history), self._checked)
+        self._snapshot_detector = (list(self._history), self._checked, self._lr_until)
 
     # --- detection -------------------------------------------------------------------------------
-    def _judges(self) -> bool:
-        """Whether the next check compares losses with a median (the warm-up is over)."""
-        return bool(self._history) and self._checked >= self.warmup_steps
+    def _check(self, trainer: Trainer) -> tuple[int, float, float] | None:
+        """The first kept loss that is a spike: (its step, its value, the median it was compared with, nan if it was
+        not judged); None if none is. One host sync (and one all-reduce with several processes).
 
-    def _check(self, trainer: Trainer, judges: bool) -> tuple[int, float, float] | None:
-        """The first kept loss that is a spike: (its step, its value, the median it was compared with, if `judges`:
-        `_judges()` before the check); None if none is. One host sync (and one all-reduce with several processes)."""
+        Each loss is judged as if it had been checked alone, in order: against the median of the `window` losses
+        before it, once it has losses before it and `warmup_steps` steps before its own were checked. So what a
+        check finds does not depend on how many steps it holds (``check_every_n_steps``). Sets `_judged`: whether
+        the check's last loss was judged."""
         losses, steps = _stacked(self._losses), self._steps
         self._losses.clear()  # the lists are refilled, never reallocated
         if trainer.world_size > 1:
             losses = trainer.strategy.reduce(losses.float(), "mean")
         values: list[float] = losses.tolist()  # the check's one host sync
-        history = self._history
-        # Clean without the median when every value is finite (their sum is: a NaN or an inf would make it NaN or
-        # inf; an overflow only takes the exact path) and none is above factor x `_floor`, a number no larger than
-        # any checked loss kept, hence than their median: no value can then be above factor x median either.
-        clean = math.isfinite(sum(values)) and (not judges or max(values) <= self.factor * self._floor)
-        if not clean:
-            median = math.nan
-            if judges:
-                ordered = sorted(history)  # the median, as `statistics.median` takes it, without its checks
-                middle = len(ordered) // 2
-                median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-                self._floor = ordered[0]  # the least kept loss: the tightest floor
-            limit = self.factor * median
-            for value, step in zip(values, steps, strict=True):
-                if not math.isfinite(value) or value > limit:  # `> nan` is False: no median yet
-                    steps.clear()
-                    return step, value, median
-        self._checked += len(set(steps))
+        history, checked, count = self._history, self._checked, len(set(steps))
+        # the last loss is judged when anything is (a loss with losses before it, past the warm-up by its own step)
+        self._judged = judged = (len(values) > 1 or bool(history)) and checked + count - 1 >= self.warmup_steps
+        # No larger than any loss a value here is judged against (the window's, and this check's earlier ones),
+        # hence than the median it is compared with.
+        floor = min(self._floor, *values)
+        # Clean without a median when every value is finite (their sum is: a NaN or an inf would make it NaN or inf;
+        # an overflow only takes the exact path) and none is above factor x `floor`.
+        exact = not (math.isfinite(sum(values)) and (not judged or max(values) <= self.factor * floor))
+        if exact:
+            spike = self._first_spike(values, steps, self.factor * floor)
+            if spike is not None:
+                steps.clear()
+                return spike
+        self._checked = checked + count
         steps.clear()
         history += values  # in place: snapshots and checkpoints hold copies
         if len(history) > self.window:
             del history[: len(history) - self.window]
-        self._floor = min(self._floor, *values)  # losses leaving the window never make a floor too high
+        # losses leaving the window never make a floor too high; after the exact path, the tightest one
+        self._floor = min(history) if exact else floor
+        return None
+
+    def _first_spike(self, values: list[float], steps: list[int], bound: float) -> tuple[int, float, float] | None:
+        """`_check`'s exact path: each value in order, judged against the median of the `window` losses before it
+        (computed only for a value above `bound`, factor x a floor under every such median)."""
+        before, done, previous = list(self._history), self._checked, None
+        for value, step in zip(values, steps, strict=True):
+            if previous is not None and step != previous:
+                done += 1  # the steps before this loss's own
+            judged = bool(before) and done >= self.warmup_steps
+            if not math.isfinite(value):
+                return step, value, _median(before[-self.window :]) if judged else math.nan
+            if judged and value > bound:
+                median = _median(before[-self.window :])
+                if value > self.factor * median:
+                    return step, value, median
+            before.append(value)
+            previous = step
         return None
 
     def _keep_history(self, history: list[float]) -> None:
@@ -287,13 +306,14 @@ class SpikeGuard(Callback):
         self.rewinds.append(record)
         self._losses.clear()
         self._steps.clear()
-        if rewind.stop is None:  # the detector goes back too: the losses since the snapshot were of left-out batches
-            history, self._checked = self._snapshot_detector
-            self._keep_history(list(history))
+        # The detector goes back too (the losses since the snapshot were of left-out batches), and so does a
+        # learning-rate scale: the restored rates carry the one in force when the snapshot was taken, if any.
+        history, self._checked, self._lr_until = self._snapshot_detector
+        self._keep_history(list(history))
         restored = record["restored_step"]
         if self.lr_scale != 1.0 and self.lr_scale_steps and rewind.stop is None:
             if self._lr_until >= 0:
-                self._scale_lr(trainer, 1 / self.lr_scale)  # the scale of an earlier rewind, restored with it
+                self._scale_lr(trainer, 1 / self.lr_scale)  # the snapshot's rates carry an earlier rewind's scale
             self._scale_lr(trainer, self.lr_scale)
             self._lr_until = restored + self.lr_scale_steps
         if not trainer.is_global_zero:
@@ -354,6 +374,13 @@ def _global_samples(trainer: Trainer, samples: list[list[int] | None]) -> list[i
                 kept.append(batch)
         found += [index for batch in kept for index in batch]
     return found
+
+
+def _median(values: list[float]) -> float:
+    """The median, as `statistics.median` takes it, without its checks."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _check_loss(loss: Any) -> None:

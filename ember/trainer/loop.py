@@ -251,6 +251,9 @@ class FitLoop:
         #: A rewind asked for (``trainer.rewind``), applied at the next step boundary; whether one just was.
         self.rewinding: Rewind | None = None
         self.rewound = False
+        #: The batches (positions) of each epoch of unknown length that ended, once its data ran out: where a rewind
+        #: to a snapshot taken in it crosses into the next epoch.
+        self.ended_lengths: dict[int, int] = {}
 
     @classmethod
     def build(cls, trainer: Trainer, module: TrainingModule, train: Any, val: Any, datamodule: Any) -> FitLoop:
@@ -296,16 +299,21 @@ class FitLoop:
         self.distribute(*fit_loaders(self.trainer, self.module, train, val, datamodule))
 
     # --- stop conditions ---------------------------------------------------------------------
-    def data_ended_the_fit(self) -> bool:
-        """Whether the batches just ended because data of unknown length ran out in the fit's last epoch
-        (``max_epochs``), with no stop at that boundary (a stop calls ``on_train_stop`` there already)."""
+    def stops_where_data_ran_out(self) -> bool:
+        """Whether the fit stops at the step boundary where data of unknown length just ran out (the batch loop
+        ended without a stop of its own, which would have called ``on_train_stop``): in its last epoch
+        (``max_epochs``), or because a stop holds now (``max_steps`` reached by the step of a last, partial
+        accumulation window, a ``should_stop`` asked for in a batch that ended no window)."""
         max_epochs = self.trainer.max_epochs
-        return (
-            not math.isfinite(self.plan.num_batches)
-            and max_epochs is not None
-            and self.state.epoch + 1 >= max_epochs
-            and not self.should_stop_in_epoch()
+        return not math.isfinite(self.plan.num_batches) and (
+            (max_epochs is not None and self.state.epoch + 1 >= max_epochs) or self.should_stop_in_epoch()
         )
+
+    def epoch_length(self, epoch: int) -> float:
+        """The number of batches (positions) of `epoch`: the plan's, or for data of unknown length, where the epoch
+        ended (inf while it has not)."""
+        num_batches = self.plan.num_batches
+        return num_batches if math.isfinite(num_batches) else self.ended_lengths.get(epoch, math.inf)
 
     def should_stop_in_epoch(self) -> bool:
         state = self.state
@@ -384,9 +392,11 @@ class FitLoop:
             batches = islice_from(iterator, start, plan.num_batches)
         if trainer.profiler is not None:  # once per epoch: the batches' fetch times (ember/tuning/profiler.py)
             batches = trainer.profiler.time_batches(batches)
-        self.run_batches(batches, validates)
+        ran_out = self.run_batches(batches, validates)
         if self.rewound:  # the fit went back to a snapshot: this epoch reopens there (`run`, `apply_rewind`)
             return
+        if ran_out and not math.isfinite(plan.num_batches):
+            self.ended_lengths[progress.epoch] = progress.batch_idx
         if (
             drop
             and progress.batch_idx < plan.num_batches < math.inf  # an iterable of unknown length just ended
@@ -399,7 +409,7 @@ class FitLoop:
             finish_epoch(iterator, self.train_loader)
         if progress.window_has_grads:  # a loader without a length ended inside an accumulation window
             optimizer_step(self, self.optimizers[0])
-        if self.data_ended_the_fit():  # its last step boundary, known only now: as a stop there, before validation
+        if ran_out and self.stops_where_data_ran_out():  # a last step boundary known only now: before validation
             trainer.hooks.on_train_stop()
             if self.rewinding is not None:  # back to a snapshot: the epoch reopens there (`run`)
                 self.apply_rewind()
@@ -419,8 +429,9 @@ class FitLoop:
         progress.batch_idx = 0
         at_boundary(trainer, module)
 
-    def run_batches(self, batches: Any, validates: bool) -> None:
-        """An epoch's training batches: the one batch loop.
+    def run_batches(self, batches: Any, validates: bool) -> bool:
+        """An epoch's training batches: the one batch loop. Returns whether it ran to the batches' end (False: it
+        stopped or rewound at a step boundary).
 
         What each batch calls is decided here, once per epoch, after the epoch-start hooks: a hook nobody
         implements is None, the step is `optimization.plain_step` when everything but ``training_step``,
@@ -459,7 +470,8 @@ class FitLoop:
             if validate_after is not None and plan.validates_after(batch_idx):
                 validate_after(batch_idx)
             if ends_window and self.window_ended(batch_idx):
-                break
+                return False
+        return True
 
     def steps_epoch_schedulers_in_batches(self) -> bool:
         """Whether the epoch-interval schedulers that read no metric step right after the epoch's last batch,
@@ -523,7 +535,9 @@ class FitLoop:
         epoch, batch_idx, _ = snapshot_position(snapshot)
         epoch_start = snapshot.rank_state.get("epoch_start")
         if rewind.stop is None:
-            rewind.skipped = positions_to_skip(self.plan, epoch, batch_idx, rewind.steps, state.skipped_in)
+            rewind.skipped = positions_to_skip(
+                self.plan.accumulate, self.epoch_length, epoch, batch_idx, rewind.steps, state.skipped_in
+            )
             state.skip_batches(rewind.skipped)
             rewind.samples = samples_of(self.train_loader, epoch_start_of(snapshot), epoch, rewind.skipped)
         state.window_has_grads = False

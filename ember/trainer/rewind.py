@@ -23,7 +23,6 @@ from ember.checkpoint.data_position import batch_samples
 
 if TYPE_CHECKING:
     from ember.checkpoint.registry import Snapshot
-    from ember.trainer.data import EpochPlan
 
 
 class TooManyRewinds(RuntimeError):
@@ -65,18 +64,27 @@ def epoch_start_of(snapshot: Snapshot) -> dict[str, Any] | None:
 
 
 def positions_to_skip(
-    plan: EpochPlan, epoch: int, batch_idx: int, steps: int, skipped: Callable[[int], frozenset[int]]
+    accumulate: int,
+    length: Callable[[int], float],
+    epoch: int,
+    batch_idx: int,
+    steps: int,
+    skipped: Callable[[int], frozenset[int]],
 ) -> list[tuple[int, int]]:
-    """The (epoch, batch) positions of the next `steps` accumulation windows from `batch_idx` of `epoch` on, past
-    the positions already `skipped` (a function of the epoch). An epoch of unknown length is one long epoch."""
+    """The (epoch, batch) positions of the next `steps` accumulation windows (of `accumulate` batches; an epoch's
+    last ends one) from `batch_idx` of `epoch` on, past the positions already `skipped` (a function of the epoch).
+    `length(epoch)`: the epoch's number of batches; inf for data of unknown length whose epoch has not ended, which
+    counts as one long epoch."""
     found: list[tuple[int, int]] = []
     windows = 0
     while windows < steps:
-        if batch_idx >= plan.num_batches:
+        size = length(epoch)
+        if batch_idx >= size:
             epoch, batch_idx = epoch + 1, 0
+            continue
         if batch_idx not in skipped(epoch):
             found.append((epoch, batch_idx))
-            windows += plan.ends_window(batch_idx)
+            windows += (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == size
         batch_idx += 1
     return found
 

@@ -107,8 +107,12 @@ def test_a_resumed_run_keeps_leaving_out_the_skipped_batches(tmp_path: Path) -> 
 
 
 # --- the limit --------------------------------------------------------------------------------------------------
-def lagged_runs(tmp_path: Path, poisoned: int) -> dict[int, tuple[SpikeGuard, Regressor]]:
-    """The same poisoned fit under check intervals 1, 2, 4 and 8 (a snapshot every 8 steps, a warm-up of 2)."""
+@pytest.mark.parametrize("poisoned", [5, 11, 15, 18, 23, 31, 36], ids=lambda p: f"batch {p}")
+def test_the_checks_lag_does_not_move_the_rewind(tmp_path: Path, poisoned: int) -> None:
+    """docs/rewind.md: whatever the check interval (the detector's lag), a spike is rewound to the same snapshot with
+    the same batches left out, and the fit ends bitwise equal; only the step it was found at differs. Batches 15, 23
+    and 31 are the last of a snapshot interval (their steps would have taken one); batch 5 comes before the first
+    snapshot after the start (step 8), batch 11 just after it, in the warm-up of the longer intervals' checks."""
     n, batch = 40 * 4, 4
     data = PoisonData(n, frozenset(batch_ids(n, batch)[poisoned]))
     runs = {}
@@ -117,34 +121,16 @@ def lagged_runs(tmp_path: Path, poisoned: int) -> dict[int, tuple[SpikeGuard, Re
             factor=50, window=4, warmup_steps=2, check_every_n_steps=every, snapshot_every_n_steps=8, skip_after=1
         )
         runs[every] = (guard, fit(tmp_path / str(every), data, batch, guard, lr=0.02))
-    return runs
-
-
-@pytest.mark.parametrize("poisoned", [18, 23, 31, 36], ids=lambda p: f"batch {p}")
-def test_past_the_warm_up_the_checks_lag_does_not_move_the_rewind(tmp_path: Path, poisoned: int) -> None:
-    """docs/rewind.md: once the warm-up is over, whatever the check interval (the detector's lag), a spike is
-    rewound to the same snapshot with the same batches left out, and the fit ends bitwise equal; only the step it
-    was found at differs. Batches 23 and 31 are the last of a snapshot interval (their steps would have taken one)."""
-    runs = lagged_runs(tmp_path, poisoned)
     (rewind,) = runs[1][0].rewinds
     assert rewind["step"] == rewind["spike_step"] == poisoned + 1  # checked at every step: found at once
     assert rewind["restored_step"] == 8 * (poisoned // 8)  # the snapshot before it
     for every, (guard, module) in runs.items():
         (lagged,) = guard.rewinds
         assert lagged["step"] == -(-(poisoned + 1) // every) * every  # found at the next check
-        same = ("spike_step", "restored_step", "skipped_batches", "skipped_samples", "value")
+        same = ("spike_step", "restored_step", "skipped_batches", "skipped_samples", "value", "median")
         assert {k: lagged[k] for k in same} == {k: rewind[k] for k in same}, every
         for a, b in zip(params(runs[1][1]), params(module), strict=True):
             assert torch.equal(a, b), every
-
-
-def test_in_the_warm_up_a_longer_interval_takes_its_first_snapshot_later(tmp_path: Path) -> None:
-    """The exception docs/rewind.md names: a snapshot follows a judged check only, and the first judged check comes
-    `warmup_steps + check_every_n_steps` steps into the fit at the earliest. At 8, step 8's check is the first (not
-    judged), so a spike at step 12 goes back to the fit's start instead of step 8."""
-    runs = lagged_runs(tmp_path, 11)
-    restored = {every: guard.rewinds[0]["restored_step"] for every, (guard, _) in runs.items()}
-    assert restored == {1: 8, 2: 8, 4: 8, 8: 0}
 
 
 def test_too_many_rewinds_stop_with_a_clear_error_and_a_resumable_last(tmp_path: Path) -> None:

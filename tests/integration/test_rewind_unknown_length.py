@@ -33,9 +33,10 @@ def test_a_spike_at_a_checking_step_of_an_iterable_of_unknown_length_is_rewound(
     """The control: the same stream, the poison in batch 7 (step 8, a checking step), is rewound."""
     guard = SpikeGuard(factor=50, window=4, warmup_steps=2, check_every_n_steps=4, snapshot_every_n_steps=4)
     trainer = fit(tmp_path, DataLoader(ResumableStream(PoisonData(40, frozenset({30}))), batch_size=4), guard)
-    assert [(r["spike_step"], r["restored_step"]) for r in guard.rewinds] == [(8, 0)]  # the first snapshot: step 0
-    assert [b for _, b in guard.rewinds[0]["skipped_batches"]] == list(range(8))
-    assert trainer.global_step == 2  # the 2 batches after the 8 left out
+    # the snapshot at step 4 (its loss judged: 3 steps before it, warmup_steps=2)
+    assert [(r["spike_step"], r["restored_step"]) for r in guard.rewinds] == [(8, 4)]
+    assert [b for _, b in guard.rewinds[0]["skipped_batches"]] == [4, 5, 6, 7]
+    assert trainer.global_step == 6  # 4, then the 2 batches after the 4 left out
 
 
 def test_a_spike_in_the_last_steps_of_an_iterable_of_unknown_length_is_rewound(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
-"""SpikeGuard's detector against the rule it documents, computed the plain way: a checked loss is a spike when it
-is not finite or above factor x the median (`statistics.median`) of the last `window` checked losses, once
-`warmup_steps` steps are checked. The guard skips the median when a floor under the kept losses shows that no
+"""SpikeGuard's detector against the rule it documents, computed the plain way: a loss is a spike when it is not
+finite or above factor x the median (`statistics.median`) of the last `window` losses before it, once it has losses
+before it and `warmup_steps` steps before its own were checked; the losses of one check are judged one after
+another, as if each were checked alone. The guard skips the median when a floor under the kept losses shows that no
 value can be above it; its decisions, medians and kept losses must be those of the plain rule."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ loss = st.one_of(
 
 def check(guard: SpikeGuard) -> tuple[int, float, float] | None:
     """The guard's check of the losses it kept, as its hook runs it."""
-    return guard._check(TRAINER, guard._judges())
+    return guard._check(TRAINER)
 
 
 class Plain:
@@ -40,11 +41,14 @@ class Plain:
         self.checked = 0
 
     def check(self, values: list[float], steps: list[int]) -> tuple[int, float, float] | None:
-        judges = bool(self.history) and self.checked >= self.warmup
-        median = statistics.median(self.history) if judges else math.nan
-        for value, step in zip(values, steps, strict=True):
+        before = list(self.history)
+        for i, (value, step) in enumerate(zip(values, steps, strict=True)):
+            steps_before = self.checked + len(set(steps[:i]) - {step})
+            judged = bool(before) and steps_before >= self.warmup
+            median = statistics.median(before[-self.window :]) if judged else math.nan
             if not math.isfinite(value) or value > self.factor * median:
                 return step, value, median
+            before.append(value)
         self.checked += len(set(steps))
         self.history = (self.history + values)[-self.window :]
         return None
@@ -62,17 +66,19 @@ def same(a: tuple[int, float, float] | None, b: tuple[int, float, float] | None)
     window=st.integers(1, 12),
     warmup=st.integers(0, 6),
     checks=st.lists(st.tuples(st.lists(loss, min_size=1, max_size=6), st.booleans()), min_size=1, max_size=25),
+    accumulate=st.integers(1, 3),
 )
 def test_the_detector_decides_as_the_plain_median_rule(
-    factor: float, window: int, warmup: int, checks: list[tuple[list[float], bool]]
+    factor: float, window: int, warmup: int, checks: list[tuple[list[float], bool]], accumulate: int
 ) -> None:
+    """Each check holds whole steps of `accumulate` batch losses (its last may be shorter, as an epoch's end is)."""
     guard, plain = (
         SpikeGuard(factor=factor, window=window, warmup_steps=warmup, check_every_n_steps=1),
         Plain(factor, window, warmup),
     )
     step, saved = 0, ([], 0)
     for values, go_back in checks:
-        steps = list(range(step + 1, step + 1 + len(values)))
+        steps = [step + 1 + i // accumulate for i in range(len(values))]
         step = steps[-1]
         guard._losses.extend(torch.tensor(v, dtype=torch.float64) for v in values)
         guard._steps.extend(steps)
