@@ -124,6 +124,7 @@ class SpikeGuard(Callback):
         #: `_history`, `_checked` and `_lr_until` when the snapshot was taken
         self._snapshot_detector: tuple[list[float], int, int] = ([], 0, -1)
         self._judged = False  # whether the last check's last loss was judged (a snapshot may follow it)
+        self._seen_step = 0  # the global step at the last batch end (or epoch start): whether a batch took a step
         self._plan = SnapshotPlan()  # the snapshot's buffers and what it found of the model, kept between snapshots
         self._lr_until = -1  # the step at which a learning-rate scale ends (-1: none in force)
         self._last_batch: float = math.inf  # the epoch's last batch index and the fit's max_steps, read per epoch
@@ -147,7 +148,7 @@ class SpikeGuard(Callback):
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
         """The first snapshot: the fit's start (a resumed fit takes its first after its first clean check)."""
         self._last_batch, self._max_steps = trainer.epoch_plan.num_batches - 1, trainer.max_steps
-        self._progress = trainer.progress
+        self._progress, self._seen_step = trainer.progress, trainer.global_step
         if self._snapshot is None and trainer.progress.batch_idx == 0 and trainer.global_step == 0:
             self._take_snapshot(trainer)
 
@@ -171,19 +172,22 @@ class SpikeGuard(Callback):
     ) -> None:
         """Keep this batch's loss; at every ``check_every_n_steps``-th step boundary, check the losses kept."""
         loss = outputs.get("loss") if type(outputs) is dict else None
-        progress = self._progress
-        step, steps = progress.global_step, self._steps
+        step, steps = self._progress.global_step, self._steps
+        stepped, self._seen_step = step != self._seen_step, step
         if loss is not None:
             losses = self._losses
             if not losses:  # a check's first loss is checked here (refused at once), the others by the check's stack
                 _check_loss(loss)
             losses.append(loss)
-            steps.append(step + 1 if progress.window_has_grads else step)
-        if not steps or steps[-1] != step:
+            # the step this batch fed: the one it ended, or, when it took none (inside an accumulation window, a
+            # step skipped for a non-finite loss, none taken by hand), the next one
+            steps.append(step if stepped else step + 1)
+        if not stepped:
             return  # no step ended here
-        if step == self._lr_until:  # at any step: the scale lasts exactly lr_scale_steps, checking step or not
-            self._scale_lr(trainer, 1 / self.lr_scale)
-            self._lr_until = -1
+        if 0 <= self._lr_until <= step:  # at any step: the scale lasts lr_scale_steps, checking step or not
+            self._end_lr_scale(trainer)
+        if not steps or steps[-1] != step:
+            return
         if step % self.check_every_n_steps and batch_idx != self._last_batch and step != self._max_steps:
             return  # not a checking step (the epoch's last step and max_steps are: a fit may end with them)
         spike = self._check(trainer)
@@ -192,6 +196,12 @@ class SpikeGuard(Callback):
                 self._take_snapshot(trainer)  # only once this step's loss was judged: warm-up losses may hide damage
             return
         self._rewind(trainer, step, *spike)
+
+    def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        """A learning-rate scale that ended with a step taken after the epoch's last batch (the last, partial
+        accumulation window of data of unknown length) ends here."""
+        if 0 <= self._lr_until <= trainer.global_step:
+            self._end_lr_scale(trainer)
 
     def on_train_stop(self, trainer: Trainer, module: TrainingModule) -> None:
         """The fit stops at this step boundary before its epoch's end (``max_time``, ``trainer.should_stop``): check
@@ -242,6 +252,12 @@ class SpikeGuard(Callback):
         self._floor = min(history) if exact else floor
         return None
 
+    def limit(self, median: float) -> float:
+        """The loss above which a batch is a spike, given the median it is judged against: ``factor`` x median; for a
+        negative median (a loss such as a negative log-likelihood), above the median by ``factor - 1`` times its
+        magnitude. Never below ``factor`` x a floor under the median, which `_check`'s fast path relies on."""
+        return median * (self.factor if median >= 0 else 2 - self.factor)
+
     def _first_spike(self, values: list[float], steps: list[int], bound: float) -> tuple[int, float, float] | None:
         """`_check`'s exact path: each value in order, judged against the median of the `window` losses before it
         (computed only for a value above `bound`, factor x a floor under every such median)."""
@@ -254,7 +270,7 @@ class SpikeGuard(Callback):
                 return step, value, _median(before[-self.window :]) if judged else math.nan
             if judged and value > bound:
                 median = _median(before[-self.window :])
-                if value > self.factor * median:
+                if value > self.limit(median):
                     return step, value, median
             before.append(value)
             previous = step
@@ -335,6 +351,10 @@ class SpikeGuard(Callback):
             file=sys.stderr,
             flush=True,
         )
+
+    def _end_lr_scale(self, trainer: Trainer) -> None:
+        self._scale_lr(trainer, 1 / self.lr_scale)
+        self._lr_until = -1
 
     @staticmethod
     def _scale_lr(trainer: Trainer, scale: float) -> None:

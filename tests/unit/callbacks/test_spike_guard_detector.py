@@ -46,7 +46,8 @@ class Plain:
             steps_before = self.checked + len(set(steps[:i]) - {step})
             judged = bool(before) and steps_before >= self.warmup
             median = statistics.median(before[-self.window :]) if judged else math.nan
-            if not math.isfinite(value) or value > self.factor * median:
+            limit = median * (self.factor if median >= 0 else 2 - self.factor)  # a negative median's too
+            if not math.isfinite(value) or value > limit:
                 return step, value, median
             before.append(value)
         self.checked += len(set(steps))
