@@ -23,7 +23,7 @@ from ember import checkpoint as ckpt
 from ember.checkpoint import data_position, writing
 from ember.checkpoint.hparams import for_checkpoint
 from ember.checkpoint.resume import capture_loader_generators, capture_rng
-from ember.checkpoint.staging import copy_into
+from ember.checkpoint.staging import HostShard, copy_into
 from ember.version import __version__
 
 if TYPE_CHECKING:
@@ -444,6 +444,18 @@ def _config_differences(meta: dict[str, Any], trainer: Trainer, module: Training
     return [f"{key}: {old!r} in the checkpoint, {new!r} now" for key, old, new in ckpt.differences(saved, now, prefix)]
 
 
+def _restored(value: Tensor) -> Tensor:
+    """A copy of a snapshot's tensor to load: a sharded (DTensor) entry's host copy of this process's shard made a
+    DTensor again, sharded as it was (on its mesh's device); any other tensor cloned."""
+    if isinstance(value, HostShard) and value.sharding:
+        from torch.distributed.tensor import DTensor
+
+        shape, stride, mesh, placements = value.sharding
+        local = value.buffer.clone()
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return value.clone()
+
+
 #: The entries a rewind puts back: the training state. Callbacks and loggers keep theirs (they saw what happened).
 TRAINING_ENTRIES = ("module", "optimizers", "lr_schedulers", "precision", "progress", "metrics", "datamodule")
 
@@ -455,7 +467,7 @@ def restore_snapshot(trainer: Trainer, module: TrainingModule, snapshot: Snapsho
     update them in place, and the snapshot must stay as it was for a later rewind to the same point.
     """
     where = Path("<in-memory snapshot>")
-    tensors = {key: value.clone() for key, value in snapshot.tensors.items()}
+    tensors = {key: _restored(value) for key, value in snapshot.tensors.items()}
     tensor_state = ckpt.join_checked(where, snapshot.meta["tensor_skeleton"], tensors)
     loaded = Loaded(where, snapshot.meta, tensor_state, snapshot.rank_state)
     load_module_weights(module, loaded, trainer.strategy.load_module_state)

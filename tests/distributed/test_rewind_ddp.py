@@ -1,5 +1,5 @@
-"""SpikeGuard under DDP (2 processes, gloo): the ranks check the loss averaged over both, so they rewind together,
-to the same step, leaving out the same batches; and the run equals one process with the double batch."""
+"""SpikeGuard under DDP and FSDP2 (2 processes, gloo): the ranks check the loss averaged over both, so they rewind
+together, to the same step, leaving out the same batches; and the run equals one process with the double batch."""
 
 from __future__ import annotations
 
@@ -31,16 +31,16 @@ from torch.utils.data import DataLoader
 
 import ember
 from ember.callbacks import SpikeGuard
-from ember.strategies.ddp import DDPStrategy
+from ember.strategies import DDPStrategy, FSDPStrategy
 from rewind_workload import PoisonData, Regressor
 
-out = sys.argv[1]
+out, kind = sys.argv[1], sys.argv[2]
 poison = frozenset(range(2 * {BATCH} * {POISONED}, 2 * {BATCH} * ({POISONED} + 1)))
 data = PoisonData(2 * {BATCH} * {BATCHES}, poison)
 guard = SpikeGuard(factor=50, window=4, warmup_steps=2, check_every_n_steps=2, snapshot_every_n_steps=4, skip_after=1)
 module = Regressor(lr=0.02, momentum=0.9)
 trainer = ember.Trainer(
-    strategy=DDPStrategy(timeout_s=30), devices=2, accelerator="cpu", max_epochs=1, callbacks=[guard], logger=False,
+    strategy=DDPStrategy(timeout_s=30) if kind == "ddp" else FSDPStrategy(timeout_s=30), devices=2, accelerator="cpu", max_epochs=1, callbacks=[guard], logger=False,
     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, default_root_dir=out,
 )
 trainer.fit(module, DataLoader(data, batch_size={BATCH}))
@@ -48,7 +48,8 @@ result = {{
     "rewinds": guard.rewinds,
     "on_disk": open(f"{{trainer.run_dir}}/rewinds.jsonl").read() if trainer.is_global_zero else None,
     "skipped": trainer.progress.skipped_positions(),
-    "params": [p.detach().flatten().tolist() for p in module.parameters()],
+    # FSDP2's parameters are shards (DTensors): the whole of each, gathered on every rank
+    "params": [getattr(p, "full_tensor", p.detach)().detach().flatten().tolist() for p in module.parameters()],
 }}
 with open(f"{{out}}/rank{{trainer.global_rank}}.json", "w") as f:
     json.dump(result, f)
@@ -75,12 +76,14 @@ def single_process(root: Path) -> tuple[SpikeGuard, Regressor]:
     return guard, module
 
 
-def test_both_ranks_rewind_together_and_match_one_process_with_the_double_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_both_ranks_rewind_together_and_match_one_process_with_the_double_batch(tmp_path: Path, kind: str) -> None:
+    """Under FSDP2 the snapshot holds each rank's shards (cloned on their device) and the optimizer's sharded state."""
     script = harness.write_script(tmp_path, SCRIPT)
     shutil.copy(rewind_workload.__file__, tmp_path / "rewind_workload.py")
     out = tmp_path / "out"
     out.mkdir()
-    job = harness.run(harness.spawn(script, str(out)), tmp_path, timeout=180)
+    job = harness.run(harness.spawn(script, str(out), kind), tmp_path, timeout=180)
     assert not job.timed_out, harness.describe(job)
     files = [out / f"rank{r}.json" for r in (0, 1)]
     assert all(f.exists() for f in files), harness.describe(job)
