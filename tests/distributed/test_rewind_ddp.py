@@ -39,8 +39,9 @@ poison = frozenset(range(2 * {BATCH} * {POISONED}, 2 * {BATCH} * ({POISONED} + 1
 data = PoisonData(2 * {BATCH} * {BATCHES}, poison)
 guard = SpikeGuard(factor=50, window=4, warmup_steps=2, check_every_n_steps=2, snapshot_every_n_steps=4, skip_after=1)
 module = Regressor(lr=0.02, momentum=0.9)
+strategy = DDPStrategy(timeout_s=30) if kind == "ddp" else FSDPStrategy(timeout_s=30)
 trainer = ember.Trainer(
-    strategy=DDPStrategy(timeout_s=30) if kind == "ddp" else FSDPStrategy(timeout_s=30), devices=2, accelerator="cpu", max_epochs=1, callbacks=[guard], logger=False,
+    strategy=strategy, devices=2, accelerator="cpu", max_epochs=1, callbacks=[guard], logger=False,
     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, default_root_dir=out,
 )
 trainer.fit(module, DataLoader(data, batch_size={BATCH}))
