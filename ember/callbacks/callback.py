@@ -87,8 +87,9 @@ class Callback:
     def on_train_stop(self, trainer: Trainer, module: TrainingModule) -> None:
         """Called when the fit stops at a step boundary inside an epoch or at its last batch (``max_steps``,
         ``max_time``, ``trainer.should_stop``): after that batch's `on_train_batch_end` and its validation, before
-        the stop's checkpoint is saved. Also when data of unknown length runs out in the fit's last epoch: the
-        fit's last step boundary, known only then (before that epoch's last validation). A rewind asked for here
+        the stop's checkpoint is saved. Also when data of unknown length runs out where the fit stops (its last
+        epoch; ``max_steps`` reached by the step of a last, partial accumulation window): a step boundary known
+        only then (before that epoch's last validation). A rewind asked for here
         (``trainer.rewind``) is applied instead, and the fit then stops at the next step boundary where the stop
         still holds."""
 

@@ -319,6 +319,26 @@ def test_data_of_unknown_length_running_out_in_the_last_epoch_calls_on_train_sto
     assert trainer.global_step == 4
 
 
+def test_max_steps_reached_by_the_step_of_a_last_partial_window_calls_on_train_stop_there() -> None:
+    """4 batches of unknown length, accumulating 3: the second step is the last, partial window's, taken once the
+    data ran out. With ``max_steps=2`` the fit stops there: `on_train_stop` runs after that step, once."""
+    calls: Calls = []
+    trainer = _trainer(calls, max_epochs=5, max_steps=2, accumulate_grad_batches=3)
+    trainer.fit(RecordingModule(calls), DataLoader(_Unsized(), batch_size=1))
+    inside = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end")
+    ends = (
+        "on_train_batch_start", "on_before_backward", "on_after_backward",
+        "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end",
+    )  # fmt: skip
+    assert calls == both(
+        "setup", "on_fit_start", "on_train_start",
+        "on_train_epoch_start", *inside, *inside, *ends, *inside,
+        "on_before_optimizer_step", "on_before_zero_grad", "on_train_stop", "on_train_epoch_end",
+        "on_train_end", "on_fit_end", "teardown",
+    )  # fmt: skip
+    assert trainer.global_step == 2
+
+
 # --- learning-rate schedulers -----------------------------------------------------------------
 class _RecordingLR(torch.optim.lr_scheduler.LambdaLR):
     def __init__(self, optimizer: torch.optim.Optimizer, calls: Calls, interval: str) -> None:
