@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,40 +29,13 @@ import ember
 from ember.callbacks import Callback, SpikeGuard
 from ember.trainer.rewind import TooManyRewinds
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spike_rule import Plain, same
+
 TRAINER: Any = SimpleNamespace(world_size=1)
 
 
 # --- the detector against the plain rule -------------------------------------------------------------------------
-class Plain:
-    """The documented rule: a loss is a spike when not finite, or above factor x `statistics.median` of the last
-    `window` losses before it (a negative median: above it by factor - 1 times its magnitude), once it has losses
-    before it and `warmup` steps before its own were checked."""
-
-    def __init__(self, factor: float, window: int, warmup: int) -> None:
-        self.factor, self.window, self.warmup = factor, window, warmup
-        self.history: list[float] = []
-        self.checked = 0
-
-    def check(self, values: list[float], steps: list[int]) -> tuple[int, float, float] | None:
-        before = list(self.history)
-        for i, (value, step) in enumerate(zip(values, steps, strict=True)):
-            judged = bool(before) and self.checked + len(set(steps[:i]) - {step}) >= self.warmup
-            median = statistics.median(before[-self.window :]) if judged else math.nan
-            limit = median * (self.factor if median >= 0 else 2 - self.factor)
-            if not math.isfinite(value) or value > limit:
-                return step, value, median
-            before.append(value)
-        self.checked += len(set(steps))
-        self.history = (self.history + values)[-self.window :]
-        return None
-
-
-def same(a: tuple[int, float, float] | None, b: tuple[int, float, float] | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return a[0] == b[0] and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a[1:], b[1:], strict=True))
-
-
 def feed(guard: SpikeGuard, values: list[float], steps: list[int]) -> tuple[int, float, float] | None:
     guard._losses.extend(torch.tensor(v, dtype=torch.float64) for v in values)
     guard._steps.extend(steps)

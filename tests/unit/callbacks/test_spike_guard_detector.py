@@ -7,7 +7,8 @@ value can be above it; its decisions, medians and kept losses must be those of t
 from __future__ import annotations
 
 import math
-import statistics
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,6 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ember.callbacks import SpikeGuard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spike_rule import Plain, same
 
 TRAINER: Any = SimpleNamespace(world_size=1)
 
@@ -30,35 +34,6 @@ loss = st.one_of(
 def check(guard: SpikeGuard) -> tuple[int, float, float] | None:
     """The guard's check of the losses it kept, as its hook runs it."""
     return guard._check(TRAINER)
-
-
-class Plain:
-    """The documented rule, with `statistics.median` and no shortcut."""
-
-    def __init__(self, factor: float, window: int, warmup: int) -> None:
-        self.factor, self.window, self.warmup = factor, window, warmup
-        self.history: list[float] = []
-        self.checked = 0
-
-    def check(self, values: list[float], steps: list[int]) -> tuple[int, float, float] | None:
-        before = list(self.history)
-        for i, (value, step) in enumerate(zip(values, steps, strict=True)):
-            steps_before = self.checked + len(set(steps[:i]) - {step})
-            judged = bool(before) and steps_before >= self.warmup
-            median = statistics.median(before[-self.window :]) if judged else math.nan
-            limit = median * (self.factor if median >= 0 else 2 - self.factor)  # a negative median's too
-            if not math.isfinite(value) or value > limit:
-                return step, value, median
-            before.append(value)
-        self.checked += len(set(steps))
-        self.history = (self.history + values)[-self.window :]
-        return None
-
-
-def same(a: tuple[int, float, float] | None, b: tuple[int, float, float] | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return a[0] == b[0] and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a[1:], b[1:], strict=True))
 
 
 @settings(deadline=None)

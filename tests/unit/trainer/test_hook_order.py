@@ -28,6 +28,15 @@ Calls = list[tuple[str, str]]
 
 
 # --- recorders ------------------------------------------------------------------------------
+
+#: One training batch's hooks: one that ends an accumulation window (an optimizer step), one inside a window.
+STEPPED_BATCH = (
+    "on_train_batch_start", "on_before_backward", "on_after_backward",
+    "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end",
+)  # fmt: skip
+MICRO_BATCH = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end")
+
+
 def _module_signature(name: str) -> inspect.Signature:
     sig = inspect.signature(getattr(Callback, name))
     return sig.replace(parameters=[p for p in sig.parameters.values() if p.name not in ("trainer", "module")])
@@ -263,11 +272,7 @@ def test_accumulation_steps_only_at_window_ends() -> None:
     calls: Calls = []
     trainer = _trainer(calls, accumulate_grad_batches=2)
     trainer.fit(RecordingModule(calls), _loader(4))
-    micro_batch = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end")
-    window_end = (
-        "on_train_batch_start", "on_before_backward", "on_after_backward",
-        "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end",
-    )  # fmt: skip
+    micro_batch, window_end = MICRO_BATCH, STEPPED_BATCH
     assert calls == both(
         "setup", "on_fit_start", "on_train_start", "on_train_epoch_start",
         *micro_batch, *window_end,  # batches 0, 1
@@ -281,10 +286,7 @@ def test_a_stop_inside_the_epoch_calls_on_train_stop_after_its_batch_end() -> No
     calls: Calls = []
     trainer = _trainer(calls, max_steps=2)
     trainer.fit(RecordingModule(calls), _loader(4))
-    batch = (
-        "on_train_batch_start", "on_before_backward", "on_after_backward",
-        "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end",
-    )  # fmt: skip
+    batch = STEPPED_BATCH
     assert calls == both(
         "setup", "on_fit_start", "on_train_start", "on_train_epoch_start",
         *batch, *batch,  # batches 0, 1: max_steps=2 holds at the second step's boundary
@@ -306,10 +308,7 @@ def test_data_of_unknown_length_running_out_in_the_last_epoch_calls_on_train_sto
     calls: Calls = []
     trainer = _trainer(calls, max_epochs=2)
     trainer.fit(RecordingModule(calls), DataLoader(_Unsized(), batch_size=2))
-    batch = (
-        "on_train_batch_start", "on_before_backward", "on_after_backward",
-        "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end",
-    )  # fmt: skip
+    batch = STEPPED_BATCH
     assert calls == both(
         "setup", "on_fit_start", "on_train_start",
         "on_train_epoch_start", *batch, *batch, "on_train_epoch_end",
@@ -325,11 +324,7 @@ def test_max_steps_reached_by_the_step_of_a_last_partial_window_calls_on_train_s
     calls: Calls = []
     trainer = _trainer(calls, max_epochs=5, max_steps=2, accumulate_grad_batches=3)
     trainer.fit(RecordingModule(calls), DataLoader(_Unsized(), batch_size=1))
-    inside = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end")
-    ends = (
-        "on_train_batch_start", "on_before_backward", "on_after_backward",
-        "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end",
-    )  # fmt: skip
+    inside, ends = MICRO_BATCH, STEPPED_BATCH
     assert calls == both(
         "setup", "on_fit_start", "on_train_start",
         "on_train_epoch_start", *inside, *inside, *ends, *inside,
